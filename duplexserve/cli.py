@@ -1,0 +1,37 @@
+"""``duplexserve`` command line: ``serve`` (and the tools registered beside it)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from duplexserve.config import ServerConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duplexserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser(
+        "serve",
+        help="run the WebSocket server",
+        description="Serve full-duplex speech sessions over WebSocket. Every flag also "
+        "reads an environment variable, named in its help.",
+    )
+    ServerConfig.add_arguments(serve_p)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        config = ServerConfig.from_namespace(args)
+        try:
+            config.validate()
+        except ValueError as exc:
+            parser.error(str(exc))
+        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from duplexserve.server.run import serve
+
+        serve(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

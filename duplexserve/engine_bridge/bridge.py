@@ -1,0 +1,294 @@
+"""The bridge between the event-loop thread and the engine thread.
+
+Into the engine: a bounded janus queue. The loop puts with ``put_nowait``; only when
+the queue is full does an item go to an overflow FIFO that one executor task drains
+with blocking puts, and while that FIFO is not empty every later item queues behind
+it, so each session's frames reach the engine in the order they were received. One
+executor submission serves a whole full-queue episode, not a frame.
+
+Out of the engine: each step's result is appended to a deque and the loop is woken
+with ``call_soon_threadsafe`` only if no wake-up is already pending, so a busy loop
+takes several steps per wake-up and never one call per frame.
+
+Items are ``(slot, generation, payload)``: payload is a frame (an ndarray view of
+the received bytes), or an :class:`Open` / :class:`Close` control. The generation
+stamps every output, so a late output of a closed session never reaches the next
+occupant of its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import janus
+import numpy as np
+
+from duplexserve.engine_bridge.batcher import SlotBatcher
+from duplexserve.engine_bridge.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Open:
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Close:
+    pass
+
+
+_CLOSE = Close()
+_STOP = object()
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step returns to the loop: row i belongs to ``slots[i]``."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+    audio: np.ndarray | None
+    text: dict[int, str]
+    error: str | None = None
+    duration_s: float = 0.0
+
+
+@dataclass(slots=True)
+class BridgeCounts:
+    fast_puts: int = 0
+    slow_puts: int = 0
+    executor_submissions: int = 0
+    loop_wakeups: int = 0
+    steps: int = 0
+    frames_stepped: int = 0
+    engine_errors: int = 0
+
+
+class EngineBridge:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[StepOutput]], None],
+        queue_size: int = 256,
+        window: int = 8,
+        on_step: Callable[[StepOutput], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.counts = BridgeCounts()
+        self._on_outputs = on_outputs
+        self.on_step = on_step
+        self._queue_size = queue_size
+        self._batcher = SlotBatcher(engine.num_slots, window)
+        self._queue: janus.Queue[tuple[int, int, Any]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready: asyncio.Future[None] | None = None
+        # Loop -> engine slow path.
+        self._overflow: collections.deque[tuple[int, int, Any]] = collections.deque()
+        self._overflow_lock = threading.Lock()
+        self._draining = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-put")
+        # Engine -> loop.
+        self._results: collections.deque[StepOutput] = collections.deque()
+        self._wake_pending = False
+        self.running = False
+
+    # ------------------------------------------------------------------ loop side
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = janus.Queue(maxsize=self._queue_size)
+        self._ready = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+        await self._ready
+        self.running = True
+
+    async def stop(self) -> None:
+        if self._thread is None or self._queue is None:
+            return
+        self.running = False
+        self.submit((-1, 0, _STOP))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
+        await self._queue.wait_closed()
+        self._thread = None
+
+    def qsize(self) -> int:
+        return self._queue.sync_q.qsize() if self._queue is not None else 0
+
+    def submit(self, item: tuple[int, int, Any]) -> None:
+        """Hand an item to the engine thread without blocking the loop, keeping order."""
+        assert self._queue is not None
+        if not self._overflow:
+            try:
+                self._queue.async_q.put_nowait(item)
+            except asyncio.QueueFull:
+                pass
+            else:
+                self.counts.fast_puts += 1
+                return
+        self.counts.slow_puts += 1
+        with self._overflow_lock:
+            self._overflow.append(item)
+            if self._draining:
+                return
+            self._draining = True
+        self.counts.executor_submissions += 1
+        self._executor.submit(self._drain_overflow)
+
+    def open(self, slot: int, generation: int, params: dict[str, Any]) -> None:
+        self.submit((slot, generation, Open(params)))
+
+    def close(self, slot: int, generation: int) -> None:
+        self.submit((slot, generation, _CLOSE))
+
+    async def submit_offloaded(self, item: tuple[int, int, Any]) -> None:
+        """The per-frame thread hop of vLLM-Omni's frontend, kept only to measure against."""
+        assert self._queue is not None and self._loop is not None
+        self.counts.executor_submissions += 1
+        self.counts.slow_puts += 1
+        await self._loop.run_in_executor(None, self._queue.sync_q.put, item)
+
+    def _drain_overflow(self) -> None:
+        """Runs on the executor: blocking puts until the overflow FIFO is empty."""
+        assert self._queue is not None
+        sync_q = self._queue.sync_q
+        while True:
+            with self._overflow_lock:
+                if not self._overflow:
+                    self._draining = False
+                    return
+                item = self._overflow[0]
+            try:
+                sync_q.put(item)
+            except (janus.SyncQueueShutDown, RuntimeError):
+                with self._overflow_lock:
+                    self._overflow.clear()
+                    self._draining = False
+                return
+            # Removed only once it is in the queue: the loop queues behind it until then.
+            with self._overflow_lock:
+                self._overflow.popleft()
+
+    def _deliver(self) -> None:
+        self._wake_pending = False
+        self.counts.loop_wakeups += 1
+        results = self._results
+        batch = []
+        while results:
+            batch.append(results.popleft())
+        if batch:
+            self._on_outputs(batch)
+
+    # ---------------------------------------------------------------- engine side
+    def _publish(self, out: StepOutput) -> None:
+        assert self._loop is not None
+        self._results.append(out)
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def _run(self) -> None:
+        assert self._loop is not None and self._queue is not None and self._ready is not None
+        ready = self._ready
+        try:
+            self.engine.start()
+        except BaseException as exc:  # noqa: BLE001 - reported to the loop, which raises it
+            log.exception("engine failed to start")
+            self._loop.call_soon_threadsafe(_set_exception, ready, exc)
+            return
+        self._loop.call_soon_threadsafe(_set_result, ready)
+        sync_q = self._queue.sync_q
+        batcher = self._batcher
+        try:
+            while True:
+                if not batcher.pending:
+                    if self._take(sync_q.get()):
+                        return
+                while True:  # drain everything pending, then step once
+                    try:
+                        item = sync_q.get_nowait()
+                    except janus.SyncQueueEmpty:
+                        break
+                    if self._take(item):
+                        return
+                if batcher.pending:
+                    self._step()
+        except janus.SyncQueueShutDown:
+            return
+        finally:
+            try:
+                self.engine.stop()
+            except Exception:  # noqa: BLE001
+                log.exception("engine failed to stop cleanly")
+
+    def _take(self, item: tuple[int, int, Any]) -> bool:
+        """Apply one item from the queue; True means stop."""
+        slot, generation, payload = item
+        if payload.__class__ is np.ndarray:
+            if not self._batcher.push(slot, generation, payload):
+                self._fail_slot(slot, generation, "frame_window_exceeded")
+            return False
+        if payload is _STOP:
+            return True
+        if payload.__class__ is Open:
+            self._batcher.open(slot, generation)
+            try:
+                self.engine.open(slot, payload.params)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.open failed for slot %d", slot)
+                self._fail_slot(slot, generation, "engine_error")
+        else:
+            self._batcher.close(slot)
+            try:
+                self.engine.close(slot)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.close failed for slot %d", slot)
+        return False
+
+    def _fail_slot(self, slot: int, generation: int, error: str) -> None:
+        self._batcher.close(slot)
+        self.counts.engine_errors += 1
+        self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
+
+    def _step(self) -> None:
+        slots, generations, frames = self._batcher.gather()
+        started = time.perf_counter()
+        try:
+            result = self.engine.step(slots, frames)
+        except Exception:  # noqa: BLE001 - a failed step fails its batch, not the server
+            log.exception("engine step failed for %d sessions", len(slots))
+            self.counts.engine_errors += 1
+            out = StepOutput(slots, generations, None, {}, "engine_error")
+        else:
+            out = StepOutput(slots, generations, result.audio, result.text)
+        out.duration_s = time.perf_counter() - started
+        self.counts.steps += 1
+        self.counts.frames_stepped += len(slots)
+        if self.on_step is not None:
+            self.on_step(out)
+        self._publish(out)
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future[None], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

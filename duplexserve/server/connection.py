@@ -1,0 +1,222 @@
+"""The asyncio layer shared by every protocol: one ASGI WebSocket, one session.
+
+It only moves data: a reader feeds received messages to the protocol adapter, which
+feeds the session core; a writer takes the session's outgoing items in order and
+sends what the adapter renders. The reader stops reading while the session's input
+is paused, so a client that sends faster than the engine answers is held back by TCP
+instead of by memory. Transcoding that is not ``inline`` runs on the codec pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any
+from urllib.parse import parse_qsl
+
+import numpy as np
+
+from duplexserve.codecs.pipeline import Decoder, Encoder
+from duplexserve.config import ServerConfig
+from duplexserve.server import errors
+from duplexserve.server.errors import SessionError
+from duplexserve.server.events import ClosedOut, Outgoing
+from duplexserve.server.orchestrator import Orchestrator
+from duplexserve.server.session import Session
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Connection(ABC):
+    """Subclasses implement one wire protocol on top of the session core."""
+
+    protocol = "?"
+
+    def __init__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        orchestrator: Orchestrator,
+        config: ServerConfig,
+        codec_pool: Executor | None = None,
+    ) -> None:
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+        self.orch = orchestrator
+        self.config = config
+        self.codec_pool = codec_pool
+        self.query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        self.session: Session | None = None
+        self.decoder: Decoder | None = None
+        self.encoder: Encoder | None = None
+        self._loop = asyncio.get_running_loop()
+        self._writer_wait: asyncio.Future[None] | None = None
+        self._reader_wait: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------- adapter hooks
+    @abstractmethod
+    async def handshake(self) -> bool:
+        """Accept (or refuse) the connection and open the session; False: refused."""
+
+    @abstractmethod
+    async def on_binary(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def on_text(self, text: str) -> None: ...
+
+    @abstractmethod
+    async def render(self, item: Outgoing) -> None:
+        """Send one outgoing item in this protocol's wire form."""
+
+    # ----------------------------------------------------------------- plumbing
+    async def run(self) -> None:
+        message = await self._receive()
+        if message["type"] != "websocket.connect":
+            return
+        if not await self.handshake():
+            return
+        session = self.session
+        assert session is not None
+        session.notify = self._wake
+        writer = asyncio.create_task(self._write_loop(session))
+        try:
+            await self._read_loop(session)
+        except Exception:  # noqa: BLE001 - a bug costs this session only
+            log.exception("session %s failed", session.id)
+            self.orch.close(session, "internal_error", errors.INTERNAL)
+        finally:
+            if not session.closed:
+                self.orch.close(session, "disconnected", errors.GOING_AWAY)
+            self.orch.pump(session)
+            try:
+                await asyncio.wait_for(writer, timeout=1.0)
+            except (TimeoutError, asyncio.CancelledError):
+                writer.cancel()
+
+    async def accept(self, subprotocol: str | None = None) -> None:
+        message: dict[str, Any] = {"type": "websocket.accept"}
+        if subprotocol:
+            message["subprotocol"] = subprotocol
+        await self._send(message)
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self._send({"type": "websocket.send", "bytes": data})
+
+    async def send_json(self, payload: Any) -> None:
+        await self._send({"type": "websocket.send", "text": json.dumps(payload)})
+
+    async def close(self, code: int, reason: str = "") -> None:
+        await self._send({"type": "websocket.close", "code": code, "reason": reason})
+
+    async def refuse(self, code: int, error: str, message: str) -> None:
+        """Accept only to say why not, then close: a client can show the reason."""
+        await self.accept()
+        await self.send_error(error, message, fatal=True)
+        await self.close(code)
+
+    async def send_error(self, code: str, message: str, fatal: bool) -> None:
+        await self.send_json({"type": "error", "code": code, "message": message, "fatal": fatal})
+
+    async def decode(self, data: bytes) -> np.ndarray:
+        decoder = self.decoder
+        assert decoder is not None
+        if self.config.offload_every_frame:  # the path measured against, never the default
+            self.orch.bridge.counts.executor_submissions += 1
+            return await self._loop.run_in_executor(None, decoder.decode, data)
+        if decoder.inline:
+            return decoder.decode(data)
+        self.orch.bridge.counts.executor_submissions += 1
+        return await self._loop.run_in_executor(self.codec_pool, decoder.decode, data)
+
+    async def encode(self, frame: np.ndarray) -> bytes:
+        encoder = self.encoder
+        assert encoder is not None
+        if encoder.inline:
+            return encoder.encode(frame)
+        self.orch.bridge.counts.executor_submissions += 1
+        return await self._loop.run_in_executor(self.codec_pool, encoder.encode, frame)
+
+    async def feed(self, samples: np.ndarray) -> None:
+        """Decoded model-rate samples into the session, and its ready frames onward."""
+        session = self.session
+        assert session is not None
+        session.receive_audio(samples)
+        if self.config.offload_every_frame:
+            bridge = self.orch.bridge
+            for frame in session.frames_ready():
+                await bridge.submit_offloaded((session.slot, session.generation, frame))
+
+    def _wake(self) -> None:
+        session = self.session
+        waiter = self._writer_wait
+        if waiter is not None and not waiter.done() and session.has_outgoing:
+            waiter.set_result(None)
+        waiter = self._reader_wait
+        if waiter is not None and not waiter.done() and not session.input_paused:
+            waiter.set_result(None)
+
+    async def _read_loop(self, session: Session) -> None:
+        receive, orch, loop = self._receive, self.orch, self._loop
+        max_bytes = self.config.max_message_bytes
+        while True:
+            if session.input_paused and not session.closed:
+                self._reader_wait = loop.create_future()
+                await self._reader_wait
+                self._reader_wait = None
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return  # websocket.disconnect
+            session.last_activity = loop.time()
+            data = message.get("bytes")
+            try:
+                if data is not None:
+                    if len(data) > max_bytes:
+                        raise SessionError(
+                            "message_too_big",
+                            f"message of {len(data)} bytes is over the limit of {max_bytes}",
+                            errors.TOO_BIG,
+                        )
+                    await self.on_binary(data)
+                else:
+                    text = message.get("text") or ""
+                    if len(text) > max_bytes:
+                        raise SessionError(
+                            "message_too_big",
+                            f"message of {len(text)} bytes is over the limit of {max_bytes}",
+                            errors.TOO_BIG,
+                        )
+                    await self.on_text(text)
+            except SessionError as exc:
+                session.error(exc)
+            orch.pump(session)
+            if session.has_outgoing:
+                self._wake()
+
+    async def _write_loop(self, session: Session) -> None:
+        loop = self._loop
+        try:
+            while True:
+                item = session.pop_outgoing()
+                if item is None:
+                    self._writer_wait = loop.create_future()
+                    await self._writer_wait
+                    self._writer_wait = None
+                    continue
+                await self.render(item)
+                if item.__class__ is ClosedOut:
+                    await self.close(item.close_code, item.reason)
+                    return
+        except (OSError, RuntimeError, asyncio.CancelledError):
+            return  # the client is gone; the reader sees the disconnect
+        except Exception:  # noqa: BLE001 - e.g. uvicorn's ClientDisconnected
+            log.debug("writer of session %s stopped", session.id, exc_info=True)

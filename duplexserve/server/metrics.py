@@ -1,0 +1,80 @@
+"""Prometheus metrics, read from plain counters at scrape time.
+
+The hot path only bumps integer attributes; nothing per frame takes a metrics lock.
+Histograms are observed once per engine step, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from duplexserve.engine_bridge.bridge import StepOutput
+from duplexserve.server.orchestrator import Orchestrator
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.2)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512)
+
+
+class ServerCollector(Collector):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orch = orchestrator
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        orch, counts, bridge = self.orch, self.orch.counts, self.orch.bridge.counts
+        live = orch.sessions()
+        yield GaugeMetricFamily("duplexserve_sessions_active", "sessions holding a slot", orch.active)
+        yield GaugeMetricFamily("duplexserve_ready", "1 when new sessions are admitted", int(orch.ready))
+        yield GaugeMetricFamily("duplexserve_engine_queue_depth", "items in the engine queue", orch.bridge.qsize())
+        for name, help_text, value in (
+            ("sessions_accepted", "sessions admitted", counts.sessions_accepted),
+            ("sessions_rejected", "sessions refused (full or draining)", counts.sessions_rejected),
+            ("sessions_closed", "sessions ended", counts.sessions_closed),
+            ("frames_in", "input frames accepted", counts.frames_in + sum(s.frames_in for s in live)),
+            ("frames_out", "output frames answered", counts.frames_out + sum(s.frames_out for s in live)),
+            ("frames_dropped", "accepted frames never answered", counts.frames_dropped),
+            ("queue_fast_puts", "engine queue puts done with put_nowait", bridge.fast_puts),
+            ("queue_slow_puts", "engine queue puts that waited for room", bridge.slow_puts),
+            ("executor_submissions", "thread-pool hops made by the server", bridge.executor_submissions),
+            ("loop_wakeups", "wake-ups of the loop by the engine thread", bridge.loop_wakeups),
+            ("engine_steps", "engine steps", bridge.steps),
+            ("engine_errors", "engine failures", bridge.engine_errors),
+        ):
+            yield CounterMetricFamily(f"duplexserve_{name}", help_text, value=value)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        yield CounterMetricFamily(
+            "duplexserve_voluntary_context_switches", "voluntary context switches, all threads",
+            value=usage.ru_nvcsw,
+        )
+        yield CounterMetricFamily(
+            "duplexserve_involuntary_context_switches", "involuntary context switches, all threads",
+            value=usage.ru_nivcsw,
+        )
+        yield CounterMetricFamily(
+            "duplexserve_cpu_seconds", "process CPU time, user + system",
+            value=usage.ru_utime + usage.ru_stime,
+        )
+
+
+class Metrics:
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.registry.register(ServerCollector(orchestrator))
+        self.step_seconds = Histogram(
+            "duplexserve_engine_step_seconds", "engine step duration",
+            buckets=STEP_BUCKETS, registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "duplexserve_engine_batch_size", "sessions per engine step",
+            buckets=BATCH_BUCKETS, registry=self.registry,
+        )
+
+    def observe_step(self, out: StepOutput) -> None:
+        self.step_seconds.observe(out.duration_s)
+        self.batch_size.observe(len(out.slots))

@@ -1,0 +1,197 @@
+"""The session core: pure state, no sockets, no threads, no clock of its own.
+
+Model-rate samples go in with :meth:`Session.receive_audio`, 80 ms frames come out
+toward the engine with :meth:`Session.frames_ready`, engine answers go in with
+:meth:`Session.deliver`, and :meth:`Session.pop_outgoing` hands what the client must
+get, in order, to whichever adapter owns the socket. Every protocol adapter and every
+test drives this same object, the way ``websockets`` drives its sans-I/O ``Protocol``.
+
+Counting: ``frames_in`` are whole input frames accepted, ``frames_out`` the answers
+queued toward the client. At the close, ``frames_dropped = frames_in - frames_out``,
+so nothing is lost without being counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from duplexserve.codecs.formats import FRAME_SAMPLES
+from duplexserve.server import errors
+from duplexserve.server.errors import SessionError
+from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+
+
+class State(enum.Enum):
+    CREATED = "created"  # formats may still change
+    STREAMING = "streaming"  # audio has arrived; formats are fixed
+    ENDING = "ending"  # input.end: answering what was accepted, then closing
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    inflight_frames: int = 8  # handed to the engine and not yet answered
+    max_pending_frames: int = 64  # cut but not yet handed over; reading pauses past it
+    max_output_frames: int = 256  # answered but not yet taken by the socket writer
+
+
+def _noop() -> None:
+    pass
+
+
+class Session:
+    def __init__(self, session_id: str, slot: int, generation: int, limits: Limits) -> None:
+        self.id = session_id
+        self.slot = slot
+        self.generation = generation
+        self.limits = limits
+        self.state = State.CREATED
+        self.frames_in = 0
+        self.frames_out = 0
+        self.inflight = 0
+        self.closed_event: ClosedOut | None = None
+        self.started = 0.0  # set by whoever owns the clock
+        self.last_activity = 0.0
+        #: Called after the session queued something or freed room; the adapter wakes on it.
+        self.notify: Callable[[], None] = _noop
+        self._partial = np.zeros(0, dtype=np.float32)
+        self._pending: collections.deque[np.ndarray] = collections.deque()
+        self._out: collections.deque[Outgoing] = collections.deque()
+        self._queued_frames = 0
+
+    # ----------------------------------------------------------------- input side
+    @property
+    def accepts_audio(self) -> bool:
+        return self.state in (State.CREATED, State.STREAMING)
+
+    @property
+    def closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    @property
+    def input_paused(self) -> bool:
+        """True while the reader should stop reading: the engine is not keeping up."""
+        return len(self._pending) >= self.limits.max_pending_frames
+
+    def receive_audio(self, samples: np.ndarray) -> int:
+        """Cut model-rate float32 samples into frames; returns how many whole frames."""
+        if not self.accepts_audio:
+            if self.state is State.ENDING:
+                raise SessionError("input_ended", "audio after input.end was not accepted")
+            return 0
+        self.state = State.STREAMING
+        if not len(samples):
+            return 0
+        partial = self._partial
+        if len(partial):
+            need = FRAME_SAMPLES - len(partial)
+            if len(samples) < need:
+                self._partial = np.concatenate((partial, samples))
+                return 0
+            self._push(np.concatenate((partial, samples[:need])))
+            samples = samples[need:]
+            count = 1
+        else:
+            count = 0
+        whole = len(samples) // FRAME_SAMPLES
+        if whole:
+            frames = samples[: whole * FRAME_SAMPLES].reshape(whole, FRAME_SAMPLES)
+            self._pending.extend(frames)  # views of the received buffer: no copy
+            self.frames_in += whole
+            count += whole
+        rest = len(samples) - whole * FRAME_SAMPLES
+        self._partial = samples[whole * FRAME_SAMPLES :].copy() if rest else samples[:0]
+        return count
+
+    def _push(self, frame: np.ndarray) -> None:
+        self._pending.append(frame)
+        self.frames_in += 1
+
+    def end_input(self) -> None:
+        """No more audio: pad the partial frame with silence, answer all, then close."""
+        if not self.accepts_audio:
+            return
+        if len(self._partial):
+            frame = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+            frame[: len(self._partial)] = self._partial
+            self._partial = self._partial[:0]
+            self._push(frame)
+        self.state = State.ENDING
+        self._maybe_complete()
+
+    def frames_ready(self) -> list[np.ndarray]:
+        """Frames the engine may take now, oldest first, within the in-flight window."""
+        room = self.limits.inflight_frames - self.inflight
+        pending = self._pending
+        if room <= 0 or not pending or self.closed:
+            return []
+        if room >= len(pending):
+            ready = list(pending)
+            pending.clear()
+        else:
+            ready = [pending.popleft() for _ in range(room)]
+        self.inflight += len(ready)
+        return ready
+
+    # ---------------------------------------------------------------- output side
+    def deliver(self, audio: np.ndarray, text: str | None = None) -> None:
+        """The engine's answer to the oldest frame in flight."""
+        if self.closed:
+            return
+        self.inflight -= 1
+        index = self.frames_out
+        self.frames_out += 1
+        self._out.append(AudioOut(index, audio))
+        self._queued_frames += 1
+        if text:
+            self._out.append(TextOut(index, text))
+        if self._queued_frames > self.limits.max_output_frames:
+            self.close("slow_consumer", errors.POLICY)
+            return
+        if self.state is State.ENDING:
+            self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        if self.frames_out == self.frames_in and not self._pending:
+            self.close("completed", errors.NORMAL)
+
+    def say(self, payload: object) -> None:
+        """Queue a protocol-specific message in order with audio."""
+        if not self.closed:
+            self._out.append(Notice(payload))
+
+    def error(self, exc: SessionError) -> None:
+        """Report bad input; a fatal error also closes the session with its code."""
+        if self.closed:
+            return
+        self._out.append(ErrorOut(exc.code, exc.message, exc.fatal))
+        if exc.close_code is not None:
+            self.close(exc.code, exc.close_code)
+
+    def close(self, reason: str, close_code: int) -> None:
+        """End now. Frames not answered by this point are counted as dropped."""
+        if self.closed:
+            return
+        self.state = State.CLOSED
+        self._pending.clear()
+        self.closed_event = ClosedOut(
+            reason, close_code, self.frames_in, self.frames_out, self.frames_in - self.frames_out
+        )
+        self._out.append(self.closed_event)
+
+    def pop_outgoing(self) -> Outgoing | None:
+        if not self._out:
+            return None
+        item = self._out.popleft()
+        if item.__class__ is AudioOut:
+            self._queued_frames -= 1
+        return item
+
+    @property
+    def has_outgoing(self) -> bool:
+        return bool(self._out)
