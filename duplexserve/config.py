@@ -61,6 +61,10 @@ class ServerConfig:
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
 
+    # Security.
+    api_keys: str = _opt("", "comma-separated API keys; empty: no authentication")
+    allowed_origins: str = _opt("", "comma-separated Origins browsers may connect from; empty: any")
+
     # Behaviour switches used by benchmarks.
     offload_every_frame: bool = _opt(
         False,

@@ -22,7 +22,7 @@ import numpy as np
 
 from duplexserve.codecs.pipeline import Decoder, Encoder
 from duplexserve.config import ServerConfig
-from duplexserve.server import errors
+from duplexserve.server import auth, errors
 from duplexserve.server.errors import SessionError
 from duplexserve.server.events import ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
@@ -83,6 +83,12 @@ class Connection(ABC):
         message = await self._receive()
         if message["type"] != "websocket.connect":
             return
+        if not auth.origin_ok(self.scope, auth.parse_list(self.config.allowed_origins)):
+            await self.refuse(errors.POLICY, "origin_not_allowed", "this Origin may not connect")
+            return
+        if not auth.key_ok(self.scope, self.query, auth.parse_list(self.config.api_keys)):
+            await self.refuse(errors.POLICY, "unauthorized", "a valid API key is required")
+            return
         if not await self.handshake():
             return
         session = self.session
@@ -91,7 +97,7 @@ class Connection(ABC):
         writer = asyncio.create_task(self._write_loop(session))
         try:
             await self._read_loop(session)
-        except Exception:  # noqa: BLE001 - a bug costs this session only
+        except Exception:
             log.exception("session %s failed", session.id)
             self.orch.close(session, "internal_error", errors.INTERNAL)
         finally:
@@ -218,5 +224,5 @@ class Connection(ABC):
                     return
         except (OSError, RuntimeError, asyncio.CancelledError):
             return  # the client is gone; the reader sees the disconnect
-        except Exception:  # noqa: BLE001 - e.g. uvicorn's ClientDisconnected
+        except Exception:
             log.debug("writer of session %s stopped", session.id, exc_info=True)
