@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
             config.validate()
         except ValueError as exc:
             parser.error(str(exc))
-        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         from duplexserve.server.run import serve
 
         serve(config)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -197,17 +198,15 @@ class EngineBridge:
         self._results.append(out)
         if not self._wake_pending:
             self._wake_pending = True
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
                 self._loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:  # loop closed during shutdown
-                pass
 
     def _run(self) -> None:
         assert self._loop is not None and self._queue is not None and self._ready is not None
         ready = self._ready
         try:
             self.engine.start()
-        except BaseException as exc:  # noqa: BLE001 - reported to the loop, which raises it
+        except BaseException as exc:
             log.exception("engine failed to start")
             self._loop.call_soon_threadsafe(_set_exception, ready, exc)
             return
@@ -216,9 +215,8 @@ class EngineBridge:
         batcher = self._batcher
         try:
             while True:
-                if not batcher.pending:
-                    if self._take(sync_q.get()):
-                        return
+                if not batcher.pending and self._take(sync_q.get()):  # idle: block for work
+                    return
                 while True:  # drain everything pending, then step once
                     try:
                         item = sync_q.get_nowait()
@@ -233,7 +231,7 @@ class EngineBridge:
         finally:
             try:
                 self.engine.stop()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("engine failed to stop cleanly")
 
     def _take(self, item: tuple[int, int, Any]) -> bool:
@@ -249,14 +247,14 @@ class EngineBridge:
             self._batcher.open(slot, generation)
             try:
                 self.engine.open(slot, payload.params)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("engine.open failed for slot %d", slot)
                 self._fail_slot(slot, generation, "engine_error")
         else:
             self._batcher.close(slot)
             try:
                 self.engine.close(slot)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("engine.close failed for slot %d", slot)
         return False
 
@@ -270,7 +268,7 @@ class EngineBridge:
         started = time.perf_counter()
         try:
             result = self.engine.step(slots, frames)
-        except Exception:  # noqa: BLE001 - a failed step fails its batch, not the server
+        except Exception:
             log.exception("engine step failed for %d sessions", len(slots))
             self.counts.engine_errors += 1
             out = StepOutput(slots, generations, None, {}, "engine_error")

@@ -30,7 +30,7 @@ class Engine(ABC):
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
 
-    def start(self) -> None:
+    def start(self) -> None:  # noqa: B027 - optional hook
         """Load weights, allocate state, warm up. Runs on the engine thread."""
 
     @abstractmethod
@@ -48,5 +48,5 @@ class Engine(ABC):
         ``frames`` is (len(slots), frame_samples) float32; row i belongs to slots[i].
         """
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Runs on the engine thread."""

@@ -34,7 +34,8 @@ def presented_keys(scope: dict[str, Any], query: dict[str, str]) -> list[str]:
         keys.append(auth[7:].strip())
     if "token" in query:
         keys.append(query["token"])
-    keys.extend(p[len(SUBPROTOCOL_KEY_PREFIX):] for p in subprotocols(scope) if p.startswith(SUBPROTOCOL_KEY_PREFIX))
+    prefix = SUBPROTOCOL_KEY_PREFIX
+    keys.extend(p[len(prefix) :] for p in subprotocols(scope) if p.startswith(prefix))
     return keys
 
 

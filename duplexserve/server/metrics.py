@@ -30,7 +30,9 @@ class ServerCollector(Collector):
         live = orch.sessions()
         yield GaugeMetricFamily("duplexserve_sessions_active", "sessions holding a slot", orch.active)
         yield GaugeMetricFamily("duplexserve_ready", "1 when new sessions are admitted", int(orch.ready))
-        yield GaugeMetricFamily("duplexserve_engine_queue_depth", "items in the engine queue", orch.bridge.qsize())
+        yield GaugeMetricFamily(
+            "duplexserve_engine_queue_depth", "items in the engine queue", orch.bridge.qsize()
+        )
         for name, help_text, value in (
             ("sessions_accepted", "sessions admitted", counts.sessions_accepted),
             ("sessions_rejected", "sessions refused (full or draining)", counts.sessions_rejected),
