@@ -1,0 +1,139 @@
+"""The sans-I/O session core, driven directly: no sockets, no threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexserve.engine_bridge.batcher import SlotBatcher
+from duplexserve.engine_bridge.synthetic import SyntheticEngine
+from duplexserve.server.errors import SessionError
+from duplexserve.server.events import AudioOut, ClosedOut, TextOut
+from duplexserve.server.session import Limits, Session, State
+
+F = 1920
+
+
+def make(limits: Limits | None = None) -> Session:
+    return Session("s", 0, 1, limits or Limits())
+
+
+def drain(session: Session) -> list:
+    out = []
+    while (item := session.pop_outgoing()) is not None:
+        out.append(item)
+    return out
+
+
+def test_whole_frames_are_views_of_the_received_buffer():
+    s = make()
+    buf = np.arange(3 * F, dtype=np.float32)
+    assert s.receive_audio(buf) == 3
+    frames = s.frames_ready()
+    assert len(frames) == 3
+    assert all(np.shares_memory(f, buf) for f in frames)
+    assert s.state is State.STREAMING and s.frames_in == 3
+
+
+def test_partial_frames_are_joined_across_messages():
+    s = make()
+    data = np.arange(2 * F, dtype=np.float32)
+    assert s.receive_audio(data[: F // 2]) == 0
+    assert s.receive_audio(data[F // 2 : F + 100]) == 1
+    assert s.receive_audio(data[F + 100 :]) == 1
+    frames = s.frames_ready()
+    assert np.array_equal(np.concatenate(frames), data)
+
+
+def test_window_limits_frames_in_flight_and_deliver_frees_room():
+    s = make(Limits(inflight_frames=2, max_pending_frames=4))
+    s.receive_audio(np.zeros(5 * F, np.float32))
+    assert len(s.frames_ready()) == 2 and s.frames_ready() == []
+    assert s.input_paused is False
+    s.receive_audio(np.zeros(F, np.float32))
+    assert s.input_paused  # 4 pending, the bound
+    s.deliver(np.zeros(F, np.float32))
+    assert len(s.frames_ready()) == 1 and not s.input_paused
+
+
+def test_input_end_completes_after_the_last_answer():
+    s = make()
+    s.receive_audio(np.ones(F + 10, np.float32))
+    s.end_input()
+    assert s.state is State.ENDING and s.frames_in == 2
+    frames = s.frames_ready()
+    assert frames[1][:10].all() and not frames[1][10:].any()
+    for f in frames:
+        s.deliver(f, "hi" if f is frames[0] else None)
+    items = drain(s)
+    assert [type(i) for i in items] == [AudioOut, TextOut, AudioOut, ClosedOut]
+    assert items[-1] == ClosedOut("completed", 1000, 2, 2, 0)
+    assert s.closed
+
+
+def test_close_counts_unanswered_frames_as_dropped():
+    s = make()
+    s.receive_audio(np.ones(4 * F, np.float32))
+    s.frames_ready()
+    s.deliver(np.zeros(F, np.float32))
+    s.close("client_closed", 1000)
+    assert drain(s)[-1] == ClosedOut("client_closed", 1000, 4, 1, 3)
+    s.deliver(np.zeros(F, np.float32))  # a late answer changes nothing
+    assert s.frames_out == 1
+
+
+def test_audio_after_input_end_is_refused_not_lost():
+    s = make()
+    s.receive_audio(np.ones(F, np.float32))
+    s.end_input()
+    with pytest.raises(SessionError) as err:
+        s.receive_audio(np.ones(F, np.float32))
+    assert err.value.code == "input_ended" and not err.value.fatal
+
+
+def test_a_client_that_does_not_read_is_closed_when_its_queue_is_full():
+    s = make(Limits(inflight_frames=8, max_output_frames=3))
+    s.receive_audio(np.ones(5 * F, np.float32))
+    for f in s.frames_ready():
+        s.deliver(f)
+    assert s.closed and s.closed_event.reason == "slow_consumer"
+
+
+def test_fatal_error_closes_with_its_code():
+    s = make()
+    s.error(SessionError("invalid_audio", "odd", 1003))
+    items = drain(s)
+    assert items[0].code == "invalid_audio" and items[0].fatal
+    assert items[-1].reason == "invalid_audio" and items[-1].close_code == 1003
+
+
+def test_batcher_gathers_one_frame_per_slot_in_order():
+    b = SlotBatcher(4, window=3)
+    b.open(1, 10)
+    b.open(3, 30)
+    for k in range(3):
+        assert b.push(1, 10, np.full(F, k, np.float32))
+    assert not b.push(1, 10, np.zeros(F, np.float32))  # window full
+    assert b.push(3, 30, np.full(F, 9, np.float32))
+    assert b.push(2, 99, np.zeros(F, np.float32))  # closed slot: ignored, not queued
+    slots, gens, batch = b.gather()
+    assert slots.tolist() == [1, 3] and gens.tolist() == [10, 30]
+    assert batch[:, 0].tolist() == [0, 9]
+    slots, _, batch = b.gather()
+    assert slots.tolist() == [1] and batch[0, 0] == 1
+    b.close(1)
+    assert b.pending == 0
+
+
+def test_synthetic_echo_with_delay_keeps_slots_apart():
+    e = SyntheticEngine(3, delay_frames=1, text_every=2)
+    e.open(0, {})
+    e.open(2, {})
+    slots = np.array([0, 2])
+    a = e.step(slots, np.stack([np.full(F, 1, np.float32), np.full(F, 2, np.float32)]))
+    b = e.step(slots, np.stack([np.full(F, 3, np.float32), np.full(F, 4, np.float32)]))
+    assert not a.audio.any() and a.text == {0: "hello", 1: "hello"}
+    assert b.audio[:, 0].tolist() == [1, 2] and b.text == {}
+    e.open(2, {})  # a new occupant starts fresh
+    c = e.step(np.array([2]), np.full((1, F), 5, np.float32))
+    assert not c.audio.any()
