@@ -63,13 +63,13 @@ def start_server(tmp_dir: str, *args: str, env: dict[str, str] | None = None) ->
     """Start ``duplexserve serve`` with ``args`` and wait until /health answers."""
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplexserve", "serve", "--port", str(port), "--log-level", "warning", *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-    )
+    with open(log_path, "wb") as log:  # the child keeps its own handle
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "duplexserve", "serve", "--port", str(port), "--log-level", "warning", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     server = ServerProcess(port, proc, log_path)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -33,7 +33,8 @@ def test_session_created_describes_both_sides(echo_server):
 
 def test_f32_echo_returns_the_sent_bytes_exactly(echo_server):
     audio = signal(25).tobytes()
-    res = run(converse(echo_server.ws(), [audio[i : i + FRAME_BYTES] for i in range(0, len(audio), FRAME_BYTES)]))
+    chunks = [audio[i : i + FRAME_BYTES] for i in range(0, len(audio), FRAME_BYTES)]
+    res = run(converse(echo_server.ws(), chunks))
     assert len(res.frames) == 25
     assert all(len(f) == FRAME_BYTES for f in res.frames)
     assert b"".join(res.frames) == audio
@@ -204,7 +205,8 @@ def test_bad_input_gets_an_error_and_its_close_code(echo_server, messages, code,
 
 def test_session_update_after_audio_is_locked_but_not_fatal(echo_server):
     audio = signal(2, seed=12).tobytes()
-    res = run(converse(echo_server.ws(), [audio, {"type": "session.update", "output": {"format": "pcm_s16le"}}]))
+    update = {"type": "session.update", "output": {"format": "pcm_s16le"}}
+    res = run(converse(echo_server.ws(), [audio, update]))
     errs = res.of_type("error")
     assert errs and errs[0]["code"] == "session_locked" and errs[0]["fatal"] is False
     assert b"".join(res.frames) == audio and res.close_code == 1000
@@ -220,6 +222,7 @@ def test_unknown_event_is_an_error_and_the_session_goes_on(echo_server):
 def test_unsupported_format_in_query_is_refused_before_audio(echo_server):
     events, code = run(_expect_close(echo_server.ws(query="input_format=mp3")))
     assert code == 1003
+    assert events[0]["code"] == "unsupported_format"
 
 
 def test_over_max_sessions_gets_1013_and_ready_says_503(server_factory):
