@@ -65,7 +65,8 @@ def start_server(tmp_dir: str, *args: str, env: dict[str, str] | None = None) ->
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     with open(log_path, "wb") as log:  # the child keeps its own handle
         proc = subprocess.Popen(
-            [sys.executable, "-m", "duplexserve", "serve", "--port", str(port), "--log-level", "warning", *args],
+            [sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
+             "--log-level", "warning", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
