@@ -220,9 +220,16 @@ def test_unknown_event_is_an_error_and_the_session_goes_on(echo_server):
 
 
 def test_unsupported_format_in_query_is_refused_before_audio(echo_server):
-    events, code = run(_expect_close(echo_server.ws(query="input_format=mp3")))
+    async def scenario():
+        async with websockets.connect(echo_server.ws(query="input_format=mp3")) as ws:
+            first = json.loads(await ws.recv())
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.recv()
+            return first, ws.close_code
+
+    first, code = run(scenario())
+    assert first["type"] == "error" and first["code"] == "unsupported_format" and first["fatal"]
     assert code == 1003
-    assert events[0]["code"] == "unsupported_format"
 
 
 def test_over_max_sessions_gets_1013_and_ready_says_503(server_factory):
