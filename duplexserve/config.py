@@ -44,6 +44,30 @@ class ServerConfig:
     moshi_preset: str = _opt("tiny", "moshi engine: architecture preset with random weights")
     moshi_weights: str = _opt("", "moshi engine: folder with local weights (nothing is downloaded)")
     device: str = _opt("auto", "moshi engine: torch device (auto, cpu, cuda)")
+    moshi_tokenizer: str = _opt("", "moshi engine: SentencePiece model turning text tokens into text")
+    moshi_context: int = _opt(0, "moshi engine: LM context (KV cache) in frames; 0: the model's own")
+    moshi_dtype: str = _opt(
+        "auto", "moshi engine: LM weights dtype (auto: bfloat16 on GPU, float32 on CPU)",
+        ("auto", "bfloat16", "float16", "float32"),
+    )
+    moshi_greedy: bool = _opt(False, "moshi engine: greedy decoding instead of sampling (tests)")
+    moshi_temp: float = _opt(0.8, "moshi engine: audio sampling temperature")
+    moshi_temp_text: float = _opt(0.7, "moshi engine: text sampling temperature")
+    moshi_top_k: int = _opt(250, "moshi engine: audio top-k")
+    moshi_top_k_text: int = _opt(25, "moshi engine: text top-k")
+    moshi_seed: int = _opt(0, "moshi engine: seed of the random weights and of sampling")
+    moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
+    moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
+    engine_process: bool = _opt(
+        False, "run the engine in a process of its own (shared memory), so its Python never holds the "
+        "server's GIL"
+    )
+
+    # Codecs (docs/codecs.md says what runs where, and why).
+    codec_threads: int = _opt(2, "threads for transcoding that releases the GIL (resampling above 96 kHz)")
+    codec_processes: int = _opt(
+        2, "worker processes holding Opus codec state (sphn holds the GIL); 0: Opus runs on the event loop"
+    )
 
     # Admission and bounds.
     max_sessions: int = _opt(256, "sessions served at once (engine slots); more get 1013")
@@ -60,12 +84,38 @@ class ServerConfig:
     max_message_bytes: int = _opt(1 << 20, "largest WebSocket message accepted (1009 beyond)")
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
+    max_sessions_per_client: int = _opt(0, "sessions one client address may hold at once (0: no limit)")
+    handshake_timeout_s: float = _opt(
+        10.0, "close a connection whose HTTP/WebSocket handshake is not complete after this long"
+    )
+    drain_grace_s: float = _opt(
+        30.0, "on SIGTERM: stop admitting, let sessions finish this long, then close the rest"
+    )
+    engine_stall_s: float = _opt(
+        10.0, "an engine step running longer than this is a stall: its sessions fail, the engine is rebuilt"
+    )
+    refuse_with_http_503: bool = _opt(
+        False,
+        "when full or draining, answer the WebSocket upgrade with HTTP 503 instead of accepting and "
+        "closing with 1013, so a proxy in front (nginx proxy_next_upstream http_503) tries another replica",
+    )
+
+    # OpenAI Realtime: how continuous model speech is cut into responses (docs/protocols.md).
+    realtime_speech_dbfs: float = _opt(
+        -45.0, "OpenAI Realtime: an output frame louder than this (RMS, dBFS) is speech and opens a response"
+    )
+    realtime_silence_ms: int = _opt(480, "OpenAI Realtime: this much silent output ends a response")
 
     # Security.
     api_keys: str = _opt("", "comma-separated API keys; empty: no authentication")
     allowed_origins: str = _opt("", "comma-separated Origins browsers may connect from; empty: any")
 
-    # Behaviour switches used by benchmarks.
+    # Behaviour switches used by tests and benchmarks.
+    synthetic_faults: bool = _opt(
+        False,
+        "tests only: the synthetic engine raises on a frame whose first sample is 1e30 and hangs "
+        "on one whose first sample is -1e30",
+    )
     offload_every_frame: bool = _opt(
         False,
         "benchmark only: hop to a thread pool for the audio conversion and for the queue put "
@@ -106,6 +156,8 @@ class ServerConfig:
             raise ValueError("max_pending_frames and max_output_frames must be at least 1")
         if self.delay_frames < 0 or self.text_every < 0:
             raise ValueError("delay_frames and text_every cannot be negative")
+        if self.codec_threads < 1 or self.codec_processes < 0:
+            raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
 
 
 def _from_env(name: str, default: Any) -> Any:

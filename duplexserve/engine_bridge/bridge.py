@@ -73,6 +73,7 @@ class BridgeCounts:
     steps: int = 0
     frames_stepped: int = 0
     engine_errors: int = 0
+    engine_restarts: int = 0
 
 
 class EngineBridge:
@@ -83,9 +84,10 @@ class EngineBridge:
         queue_size: int = 256,
         window: int = 8,
         on_step: Callable[[StepOutput], None] | None = None,
+        counts: BridgeCounts | None = None,
     ) -> None:
         self.engine = engine
-        self.counts = BridgeCounts()
+        self.counts = counts or BridgeCounts()
         self._on_outputs = on_outputs
         self.on_step = on_step
         self._queue_size = queue_size
@@ -102,7 +104,10 @@ class EngineBridge:
         # Engine -> loop.
         self._results: collections.deque[StepOutput] = collections.deque()
         self._wake_pending = False
-        self.running = False
+        self._params: dict[int, dict[str, Any]] = {}  # open slots, to reopen after a restart
+        self.running = False  # False while starting, restarting or stopped: /ready says 503
+        self.abandoned = False  # set when a stalled engine is replaced: its thread exits
+        self.step_started = 0.0  # monotonic start of the step in progress, 0 when idle
 
     # ------------------------------------------------------------------ loop side
     async def start(self) -> None:
@@ -124,6 +129,13 @@ class EngineBridge:
         self._queue.close()
         await self._queue.wait_closed()
         self._thread = None
+
+    def abandon(self) -> None:
+        """Give up on a stalled engine thread: its late results are dropped, it exits."""
+        self.abandoned = True
+        self.running = False
+        if self._queue is not None:
+            self._queue.close()  # unblocks the overflow drainer, if one waits for room
 
     def qsize(self) -> int:
         return self._queue.sync_q.qsize() if self._queue is not None else 0
@@ -195,6 +207,8 @@ class EngineBridge:
     # ---------------------------------------------------------------- engine side
     def _publish(self, out: StepOutput) -> None:
         assert self._loop is not None
+        if self.abandoned:
+            return
         self._results.append(out)
         if not self._wake_pending:
             self._wake_pending = True
@@ -226,6 +240,8 @@ class EngineBridge:
                         return
                 if batcher.pending:
                     self._step()
+                if self.abandoned:
+                    return
         except janus.SyncQueueShutDown:
             return
         finally:
@@ -245,6 +261,7 @@ class EngineBridge:
             return True
         if payload.__class__ is Open:
             self._batcher.open(slot, generation)
+            self._params[slot] = payload.params
             try:
                 self.engine.open(slot, payload.params)
             except Exception:
@@ -252,6 +269,7 @@ class EngineBridge:
                 self._fail_slot(slot, generation, "engine_error")
         else:
             self._batcher.close(slot)
+            self._params.pop(slot, None)
             try:
                 self.engine.close(slot)
             except Exception:
@@ -260,26 +278,61 @@ class EngineBridge:
 
     def _fail_slot(self, slot: int, generation: int, error: str) -> None:
         self._batcher.close(slot)
+        self._params.pop(slot, None)
         self.counts.engine_errors += 1
         self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
 
     def _step(self) -> None:
         slots, generations, frames = self._batcher.gather()
         started = time.perf_counter()
+        self.step_started = time.monotonic()
         try:
             result = self.engine.step(slots, frames)
-        except Exception:
-            log.exception("engine step failed for %d sessions", len(slots))
+        except Exception:  # a failed step fails its batch, not the server
+            self.step_started = 0.0
+            log.exception("engine step failed for %d sessions; restarting the engine", len(slots))
             self.counts.engine_errors += 1
-            out = StepOutput(slots, generations, None, {}, "engine_error")
-        else:
-            out = StepOutput(slots, generations, result.audio, result.text)
+            self._publish(StepOutput(slots, generations, None, {}, "engine_error"))
+            self._restart(slots.tolist())
+            return
+        self.step_started = 0.0
+        out = StepOutput(slots, generations, result.audio, result.text)
         out.duration_s = time.perf_counter() - started
         self.counts.steps += 1
         self.counts.frames_stepped += len(slots)
         if self.on_step is not None:
             self.on_step(out)
         self._publish(out)
+
+
+    def _restart(self, failed: list[int]) -> None:
+        """Rebuild the engine's state on this thread after a failed step.
+
+        The failed batch's slots are closed (the loop fails their sessions); every other
+        open slot is reopened fresh, so those sessions go on, frames still in order.
+        """
+        self.running = False
+        for slot in failed:
+            self._batcher.close(slot)
+            self._params.pop(slot, None)
+        try:
+            self.engine.stop()
+        except Exception:
+            log.exception("engine failed to stop before its restart")
+        delay = 0.1
+        while not self.abandoned:
+            try:
+                self.engine.start()
+                for slot, params in self._params.items():
+                    self.engine.open(slot, params)
+            except Exception:
+                log.exception("engine restart failed; retrying in %.1f s", delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            else:
+                self.counts.engine_restarts += 1
+                self.running = True
+                return
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:

@@ -8,6 +8,14 @@ from duplexserve.engine_bridge.synthetic import SyntheticEngine
 
 
 def build_engine(config: ServerConfig) -> Engine:
+    if config.engine_process:
+        from duplexserve.engine_bridge.process_engine import ProcessEngine
+
+        return ProcessEngine(config)  # builds the engine below in its own process
+    if config.engine == "moshi":
+        from duplexserve.engine_bridge.moshi_engine import moshi_engine_from_config
+
+        return moshi_engine_from_config(config)
     if config.engine == "synthetic":
         return SyntheticEngine(
             config.max_sessions,
@@ -17,5 +25,6 @@ def build_engine(config: ServerConfig) -> Engine:
             base_ms=config.step_base_ms,
             per_session_ms=config.step_per_session_ms,
             host_ms_per_session=config.host_ms_per_session,
+            faults=config.synthetic_faults,
         )
     raise ValueError(f"engine {config.engine!r} is not available in this build")

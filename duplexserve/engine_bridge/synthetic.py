@@ -16,6 +16,7 @@ import numpy as np
 
 from duplexserve.engine_bridge.engine import Engine, StepResult
 
+FAIL_MARK = np.float32(1e30)
 WORDS = ("hello", " from", " the", " duplex", " echo", " engine.")
 
 
@@ -31,6 +32,7 @@ class SyntheticEngine(Engine):
         base_ms: float = 0.0,
         per_session_ms: float = 0.0,
         host_ms_per_session: float = 0.0,
+        faults: bool = False,
     ) -> None:
         super().__init__(num_slots)
         if mode not in ("echo", "silence"):
@@ -41,6 +43,7 @@ class SyntheticEngine(Engine):
         self.base_s = base_ms / 1000.0
         self.per_session_s = per_session_ms / 1000.0
         self.host_s_per_session = host_ms_per_session / 1000.0
+        self.faults = faults
         self.frame_index = np.zeros(num_slots, dtype=np.int64)
         depth = delay_frames + 1
         self._history = (
@@ -56,6 +59,8 @@ class SyntheticEngine(Engine):
         self.frame_index[slot] = 0
 
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
+        if self.faults:
+            self._inject(frames)
         index = self.frame_index[slots]
         self.frame_index[slots] = index + 1
         if self.mode == "silence":
@@ -72,6 +77,15 @@ class SyntheticEngine(Engine):
                 text[row] = WORDS[(int(index[row]) // self.text_every) % len(WORDS)]
         self._spend(len(slots))
         return StepResult(audio, text)
+
+    @staticmethod
+    def _inject(frames: np.ndarray) -> None:
+        """Test hook: a frame starting with 1e30 makes the step raise, -1e30 makes it hang."""
+        first = frames[:, 0]
+        if (first == FAIL_MARK).any():
+            raise RuntimeError("injected engine fault")
+        if (first == -FAIL_MARK).any():
+            time.sleep(3600)  # a stuck kernel: only the watchdog notices
 
     def _spend(self, batch: int) -> None:
         wait = self.base_s + self.per_session_s * batch

@@ -9,22 +9,34 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Response
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from duplexserve import __version__
+from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server.connection import Connection, Receive, Scope, Send
 from duplexserve.server.metrics import Metrics
+from duplexserve.server.moshi_chat import MoshiConnection
 from duplexserve.server.native import NativeConnection
 from duplexserve.server.orchestrator import Orchestrator
+from duplexserve.server.realtime import RealtimeConnection
 from duplexserve.server.session import Limits
 
-PROTOCOLS: dict[str, type[Connection]] = {"/v1/duplex": NativeConnection}
+PROTOCOLS: dict[str, type[Connection]] = {
+    "/v1/duplex": NativeConnection,
+    "/v1/realtime": RealtimeConnection,
+    "/api/chat": MoshiConnection,
+}
+# The talk page at / (docs/deploy.md): plain files, no build step.
+STATIC_DIR = Path(__file__).with_name("static")
 
 
 class DuplexApp:
@@ -38,10 +50,14 @@ class DuplexApp:
             queue_size=config.queue_size,
             idle_timeout_s=config.idle_timeout_s,
             max_session_s=config.max_session_s,
+            max_sessions_per_client=config.max_sessions_per_client,
+            engine_stall_s=config.engine_stall_s,
+            engine_factory=None if engine else lambda: build_engine(config),
         )
         self.metrics = Metrics(self.orchestrator)
-        self.orchestrator.bridge.on_step = self.metrics.observe_step
-        self.codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
+        self.orchestrator.on_step = self.metrics.observe_step
+        self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
+        self.codec_procs = CodecProcesses(config.codec_processes)
         self.http = self._http_app()
 
     @contextlib.asynccontextmanager
@@ -52,6 +68,7 @@ class DuplexApp:
         finally:
             await self.orchestrator.stop()
             self.codec_pool.shutdown(wait=False, cancel_futures=True)
+            self.codec_procs.close()
 
     def _http_app(self) -> FastAPI:
         app = FastAPI(title="duplexserve", version=__version__, lifespan=self._lifespan)
@@ -77,6 +94,12 @@ class DuplexApp:
         async def metrics() -> Response:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+        @app.get("/", include_in_schema=False)
+        async def index() -> FileResponse:
+            return FileResponse(STATIC_DIR / "index.html")
+
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
         return app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,7 +110,7 @@ class DuplexApp:
                 await send({"type": "websocket.close", "code": 1008})
                 return
             await protocol(
-                scope, receive, send, self.orchestrator, self.config, self.codec_pool
+                scope, receive, send, self.orchestrator, self.config, self.codec_pool, self.codec_procs
             ).run()
             return
         await self.http(scope, receive, send)

@@ -4,7 +4,8 @@ It only moves data: a reader feeds received messages to the protocol adapter, wh
 feeds the session core; a writer takes the session's outgoing items in order and
 sends what the adapter renders. The reader stops reading while the session's input
 is paused, so a client that sends faster than the engine answers is held back by TCP
-instead of by memory. Transcoding that is not ``inline`` runs on the codec pool.
+instead of by memory. Transcoding that is not ``inline`` runs on the codec thread pool,
+or, for a ``remote`` codec (Opus), in a codec worker process (docs/codecs.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from urllib.parse import parse_qsl
 import numpy as np
 
 from duplexserve.codecs.pipeline import Decoder, Encoder
+from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.server import auth, errors
 from duplexserve.server.errors import SessionError
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+#: How long a closed session's connection may take to finish its close handshake.
+CLOSE_GRACE_S = 10.0
 
 
 class Connection(ABC):
@@ -48,6 +53,7 @@ class Connection(ABC):
         orchestrator: Orchestrator,
         config: ServerConfig,
         codec_pool: Executor | None = None,
+        codec_procs: CodecProcesses | None = None,
     ) -> None:
         self.scope = scope
         self._receive = receive
@@ -55,6 +61,7 @@ class Connection(ABC):
         self.orch = orchestrator
         self.config = config
         self.codec_pool = codec_pool
+        self.codec_procs = codec_procs  # hosts Opus codecs: pass to make_decoder / make_encoder
         self.query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         self.session: Session | None = None
         self.decoder: Decoder | None = None
@@ -62,6 +69,8 @@ class Connection(ABC):
         self._loop = asyncio.get_running_loop()
         self._writer_wait: asyncio.Future[None] | None = None
         self._reader_wait: asyncio.Future[None] | None = None
+        self._tasks: tuple[asyncio.Task[None], ...] = ()
+        self._abort_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------- adapter hooks
     @abstractmethod
@@ -94,20 +103,50 @@ class Connection(ABC):
         session = self.session
         assert session is not None
         session.notify = self._wake
+        reader = asyncio.create_task(self._guarded_read_loop(session))
         writer = asyncio.create_task(self._write_loop(session))
+        self._tasks = (reader, writer)
         try:
-            await self._read_loop(session)
-        except Exception:
-            log.exception("session %s failed", session.id)
-            self.orch.close(session, "internal_error", errors.INTERNAL)
+            done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:  # the client went away: nobody is left to write to
+                if not session.closed:
+                    self.orch.close(session, "disconnected", errors.GOING_AWAY)
+                await asyncio.wait((writer,), timeout=1.0)
+            else:  # the close was sent (or the socket broke): wait for the client's reply
+                await asyncio.wait((reader,), timeout=CLOSE_GRACE_S)
         finally:
+            if self._abort_timer is not None:
+                self._abort_timer.cancel()
+            for task in self._tasks:
+                task.cancel()
             if not session.closed:
                 self.orch.close(session, "disconnected", errors.GOING_AWAY)
             self.orch.pump(session)
-            try:
-                await asyncio.wait_for(writer, timeout=1.0)
-            except (TimeoutError, asyncio.CancelledError):
-                writer.cancel()
+
+    async def _guarded_read_loop(self, session: Session) -> None:
+        try:
+            await self._read_loop(session)
+        except Exception:  # a bug costs this session only, and says nothing internal
+            log.exception("session %s failed", session.id)
+            self.orch.close(session, "internal_error", errors.INTERNAL)
+
+    def _abort(self) -> None:
+        """A closed session whose client neither reads nor goes away: stop waiting for it."""
+        for task in self._tasks:
+            task.cancel()
+
+    async def open_session(self, params: dict[str, Any] | None = None) -> bool:
+        """Take a slot for this connection, or refuse it in the protocol's own form."""
+        client = self.scope.get("client")
+        address = client[0] if client else None
+        session = self.orch.open_session(params, address)
+        if session is None:
+            refusal = self.orch.refusal(address)
+            code, error, message = refusal or (errors.TRY_AGAIN, "server_unavailable", "try again later")
+            await self.refuse(code, error, message)
+            return False
+        self.session = session
+        return True
 
     async def accept(self, subprotocol: str | None = None) -> None:
         message: dict[str, Any] = {"type": "websocket.accept"}
@@ -125,7 +164,25 @@ class Connection(ABC):
         await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
     async def refuse(self, code: int, error: str, message: str) -> None:
-        """Accept only to say why not, then close: a client can show the reason."""
+        """Accept only to say why not, then close: a client can show the reason.
+
+        Behind a load balancer (``refuse_with_http_503``), "full or draining" is instead an
+        HTTP 503 to the upgrade itself: a proxy cannot see a close code, but it can retry a
+        503 on another replica before the client ever sees it.
+        """
+        if (
+            code == errors.TRY_AGAIN
+            and self.config.refuse_with_http_503
+            and "websocket.http.response" in self.scope.get("extensions", {})
+        ):
+            body = json.dumps({"type": "error", "code": error, "message": message, "fatal": True})
+            await self._send({
+                "type": "websocket.http.response.start",
+                "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+            })
+            await self._send({"type": "websocket.http.response.body", "body": body.encode()})
+            return
         await self.accept()
         await self.send_error(error, message, fatal=True)
         await self.close(code)
@@ -142,6 +199,8 @@ class Connection(ABC):
         if decoder.inline:
             return decoder.decode(data)
         self.orch.bridge.counts.executor_submissions += 1
+        if getattr(decoder, "remote", False):  # state in a codec process (codecs/procpool.py)
+            return await decoder.decode_async(data)  # type: ignore[attr-defined]
         return await self._loop.run_in_executor(self.codec_pool, decoder.decode, data)
 
     async def encode(self, frame: np.ndarray) -> bytes:
@@ -150,6 +209,8 @@ class Connection(ABC):
         if encoder.inline:
             return encoder.encode(frame)
         self.orch.bridge.counts.executor_submissions += 1
+        if getattr(encoder, "remote", False):
+            return await encoder.encode_async(frame)  # type: ignore[attr-defined]
         return await self._loop.run_in_executor(self.codec_pool, encoder.encode, frame)
 
     async def feed(self, samples: np.ndarray) -> None:
@@ -164,6 +225,8 @@ class Connection(ABC):
 
     def _wake(self) -> None:
         session = self.session
+        if session.closed and self._abort_timer is None:
+            self._abort_timer = self._loop.call_later(CLOSE_GRACE_S, self._abort)
         waiter = self._writer_wait
         if waiter is not None and not waiter.done() and session.has_outgoing:
             waiter.set_result(None)

@@ -46,6 +46,7 @@ class ServerCollector(Collector):
             ("loop_wakeups", "wake-ups of the loop by the engine thread", bridge.loop_wakeups),
             ("engine_steps", "engine steps", bridge.steps),
             ("engine_errors", "engine failures", bridge.engine_errors),
+            ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):
             yield CounterMetricFamily(f"duplexserve_{name}", help_text, value=value)
         usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -32,18 +32,14 @@ class NativeConnection(Connection):
         except FormatError as exc:
             await self.refuse(errors.UNSUPPORTED_DATA, "unsupported_format", str(exc))
             return False
-        session = self.orch.open_session()
-        if session is None:
-            reason = "server is draining" if self.orch.draining else "server is full"
-            await self.refuse(errors.TRY_AGAIN, "server_unavailable", reason + ", try again later")
+        if not await self.open_session():
             return False
-        self.session = session
         await self.accept()
         await self.send_json(self._describe("session.created"))
         return True
 
     def _set_formats(self, inp: AudioFormat, out: AudioFormat) -> None:
-        decoder, encoder = make_decoder(inp), make_encoder(out)
+        decoder, encoder = make_decoder(inp, self.codec_procs), make_encoder(out, self.codec_procs)
         self.input_format, self.output_format = inp, out
         self.decoder, self.encoder = decoder, encoder
 

@@ -8,9 +8,12 @@ generation), frees slots when sessions close, and sweeps idle sessions once a se
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,21 +43,44 @@ class Orchestrator:
         queue_size: int = 256,
         idle_timeout_s: float = 30.0,
         max_session_s: float = 0.0,
+        max_sessions_per_client: int = 0,
+        engine_stall_s: float = 10.0,
+        engine_factory: Callable[[], Engine] | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits
         self.idle_timeout_s = idle_timeout_s
         self.max_session_s = max_session_s
+        self.max_sessions_per_client = max_sessions_per_client
+        self.engine_stall_s = engine_stall_s
+        self.engine_factory = engine_factory
+        self.on_step: Callable[[StepOutput], None] | None = None
         self.counts = Counts()
-        self.bridge = EngineBridge(
-            engine, self._on_outputs, queue_size=queue_size, window=limits.inflight_frames
-        )
+        self._queue_size = queue_size
+        self.bridge = self._new_bridge(engine)
         self.draining = False
+        self.engine_failed = False  # a stalled engine that could not be replaced
+        self._per_client: collections.Counter[str] = collections.Counter()
+        self._client_of: dict[int, str] = {}
         self._free = list(range(engine.num_slots - 1, -1, -1))
         self._by_slot: list[Session | None] = [None] * engine.num_slots
         self._generations = itertools.count(1)
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _new_bridge(self, engine: Engine, counts: Any = None) -> EngineBridge:
+        return EngineBridge(
+            engine,
+            self._on_outputs,
+            queue_size=self._queue_size,
+            window=self.limits.inflight_frames,
+            on_step=self._observe_step,
+            counts=counts,
+        )
+
+    def _observe_step(self, out: StepOutput) -> None:
+        if self.on_step is not None:
+            self.on_step(out)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -64,9 +90,21 @@ class Orchestrator:
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self.close_all("server_shutdown", errors.GOING_AWAY)
+        if not self.bridge.abandoned:
+            await self.bridge.stop()
+
+    def close_all(self, reason: str, close_code: int) -> None:
         for session in self.sessions():
-            self.close(session, "server_shutdown", errors.GOING_AWAY)
-        await self.bridge.stop()
+            self.close(session, reason, close_code)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting; let live sessions end on their own for ``grace_s``, then close them."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self.close_all("server_shutdown", errors.GOING_AWAY)
 
     # ------------------------------------------------------------------ admission
     @property
@@ -77,15 +115,37 @@ class Orchestrator:
     def ready(self) -> bool:
         return self.bridge.running and not self.draining and bool(self._free)
 
+    def refusal(self, client: str | None) -> tuple[int, str, str] | None:
+        """Why a new session from ``client`` cannot be admitted now, or None.
+
+        Returns (close code, error code, message): 1013 for full, draining or an engine
+        not ready (try again later), 1008 for the per-address policy.
+        """
+        if self.draining:
+            return errors.TRY_AGAIN, "server_unavailable", "server is draining, try again later"
+        if not self.bridge.running:
+            return errors.TRY_AGAIN, "server_unavailable", "engine is not ready, try again later"
+        if not self._free:
+            return errors.TRY_AGAIN, "server_unavailable", "server is full, try again later"
+        limit = self.max_sessions_per_client
+        if limit and client and self._per_client[client] >= limit:
+            return errors.POLICY, "too_many_sessions", f"at most {limit} sessions per client address"
+        return None
+
     def sessions(self) -> list[Session]:
         return [s for s in self._by_slot if s is not None]
 
-    def open_session(self, params: dict[str, Any] | None = None) -> Session | None:
-        """A new session in a free slot, or None when full or draining (1013)."""
-        if not self._free or self.draining or not self.bridge.running:
+    def open_session(
+        self, params: dict[str, Any] | None = None, client: str | None = None
+    ) -> Session | None:
+        """A new session in a free slot, or None when :meth:`refusal` says why not (1013)."""
+        if self.refusal(client) is not None:
             self.counts.sessions_rejected += 1
             return None
         slot = self._free.pop()
+        if client:
+            self._per_client[client] += 1
+            self._client_of[slot] = client
         session = Session(secrets.token_hex(8), slot, next(self._generations), self.limits)
         assert self._loop is not None
         session.started = session.last_activity = self._loop.time()
@@ -116,7 +176,13 @@ class Orchestrator:
             return
         self._by_slot[session.slot] = None
         self._free.append(session.slot)
-        self.bridge.close(session.slot, session.generation)
+        if not self.bridge.abandoned:
+            self.bridge.close(session.slot, session.generation)
+        client = self._client_of.pop(session.slot, None)
+        if client is not None:
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
         closed = session.closed_event
         self.counts.sessions_closed += 1
         if closed is not None:
@@ -154,18 +220,51 @@ class Orchestrator:
             session.notify()
 
     # ---------------------------------------------------------------------- sweep
+    async def _rebuild_engine(self) -> None:
+        """The engine is stuck in a step: fail every session and start a fresh engine."""
+        stalled = self.bridge
+        log.error("engine step stalled for over %.1f s; failing all sessions", self.engine_stall_s)
+        stalled.abandon()
+        for session in self.sessions():
+            session.error(errors.SessionError(
+                "engine_error", "the engine stopped answering", errors.INTERNAL
+            ))
+            self._release(session)
+            session.notify()
+        if self.engine_factory is None:
+            self.engine_failed = True
+            return
+        try:
+            engine = self.engine_factory()
+            bridge = self._new_bridge(engine, stalled.counts)
+            self.bridge, self.engine = bridge, engine
+            await bridge.start()
+            bridge.counts.engine_restarts += 1
+        except Exception:
+            log.exception("could not start a new engine")
+            self.engine_failed = True
+
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            now = asyncio.get_running_loop().time()
-            for session in self.sessions():
-                if self.max_session_s and now - session.started > self.max_session_s:
-                    self.close(session, "max_duration", errors.NORMAL)
-                elif (
-                    self.idle_timeout_s
-                    and session.state in (State.CREATED, State.STREAMING)
-                    and session.inflight == 0
-                    and not session.input_paused
-                    and now - session.last_activity > self.idle_timeout_s
-                ):
-                    self.close(session, "idle_timeout", errors.NORMAL)
+            await asyncio.sleep(0.5)
+            try:
+                await self._sweep_once()
+            except Exception:
+                log.exception("session sweep failed")
+
+    async def _sweep_once(self) -> None:
+        started = self.bridge.step_started
+        if started and not self.bridge.abandoned and time.monotonic() - started > self.engine_stall_s:
+            await self._rebuild_engine()
+        now = asyncio.get_running_loop().time()
+        for session in self.sessions():
+            if self.max_session_s and now - session.started > self.max_session_s:
+                self.close(session, "max_duration", errors.NORMAL)
+            elif (
+                self.idle_timeout_s
+                and session.state in (State.CREATED, State.STREAMING)
+                and session.inflight == 0
+                and not session.input_paused
+                and now - session.last_activity > self.idle_timeout_s
+            ):
+                self.close(session, "idle_timeout", errors.NORMAL)
