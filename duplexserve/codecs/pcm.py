@@ -22,8 +22,12 @@ def s16_to_f32(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / _S16_SCALE
 
 
-def f32_to_s16(samples: np.ndarray) -> bytes:
+def f32_to_s16_array(samples: np.ndarray) -> np.ndarray:
     """Round to the nearest step and clip, so a round trip stays within one LSB."""
     scaled = np.rint(samples * _S16_SCALE)
     np.clip(scaled, -32768, 32767, out=scaled)
-    return scaled.astype("<i2").tobytes()
+    return scaled.astype("<i2")
+
+
+def f32_to_s16(samples: np.ndarray) -> bytes:
+    return f32_to_s16_array(samples).tobytes()

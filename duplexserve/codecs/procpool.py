@@ -1,0 +1,249 @@
+"""Codec worker processes for codecs that hold the GIL (Opus), driven from the event loop.
+
+sphn keeps the GIL while it encodes, so on a thread it would only take turns with the
+event loop; in a process it runs on another core. Each worker is a child process
+(``worker.py``) behind a Unix socket pair. A session's codec lives in one worker, chosen
+when it opens (the one with the fewest open codecs), and all its requests go there; the
+worker answers in the order it was asked, so replies are matched to waiting futures by
+order alone. On the loop side a request is one ``sendmsg`` and replies are read by a
+reader callback that drains whatever has arrived, so a busy loop reads many per wake-up.
+
+Wire layout, little-endian: request ``u8 op, u32 codec id, u32 length, payload``;
+reply ``u8 status, u32 length, payload``, one per DECODE or ENCODE request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import struct
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+
+from duplexserve.codecs.formats import FormatError
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<BII")
+REPLY = struct.Struct("<BI")
+OP_OPEN_DECODER, OP_OPEN_ENCODER, OP_DECODE, OP_ENCODE, OP_CLOSE = range(5)
+OK, FORMAT_ERROR, FAILED = range(3)
+_SOCKET_BUFFER = 4 << 20
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
+class CodecProcessError(RuntimeError):
+    """A codec worker failed or went away; the sessions it served cannot go on."""
+
+
+class _Worker:
+    """The loop's end of one worker process."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s in (parent, child):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "duplexserve.codecs.worker", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        parent.setblocking(False)
+        self.sock, self.loop = parent, loop
+        self.fd = parent.fileno()
+        self.alive = True
+        self.open_codecs = 0
+        self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self._unsent: collections.deque[bytes] = collections.deque()
+        self._rbuf = bytearray()
+        loop.add_reader(self.fd, self._on_readable)
+
+    def request(self, op: int, cid: int, payload: bytes | memoryview = b"") -> None:
+        if not self.alive:
+            raise CodecProcessError("codec worker is gone")
+        header = REQUEST.pack(op, cid, len(payload))
+        if self._unsent:  # already backed up: queue behind, in order
+            self._unsent.append(header + bytes(payload))
+            return
+        total = len(header) + len(payload)
+        try:
+            sent = self.sock.sendmsg([header, payload])
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._fail(CodecProcessError(f"codec worker is gone: {exc}"))
+            raise CodecProcessError("codec worker is gone") from None
+        if sent < total:
+            self._unsent.append((header + bytes(payload))[sent:])
+            self.loop.add_writer(self.fd, self._on_writable)
+
+    async def call(self, op: int, cid: int, payload: bytes | memoryview) -> bytes:
+        self.request(op, cid, payload)
+        future = self.loop.create_future()
+        self._waiting.append(future)
+        return await future
+
+    def _on_writable(self) -> None:
+        unsent = self._unsent
+        while unsent:
+            try:
+                sent = self.sock.send(unsent[0])
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._fail(CodecProcessError(f"codec worker is gone: {exc}"))
+                return
+            if sent < len(unsent[0]):
+                unsent[0] = unsent[0][sent:]
+                return
+            unsent.popleft()
+        self.loop.remove_writer(self.fd)
+
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(CodecProcessError(f"codec worker is gone: {exc}"))
+            return
+        if not data:
+            self._fail(CodecProcessError(f"codec worker exited ({self.proc.poll()})"))
+            return
+        buf = self._rbuf
+        buf += data
+        pos, end, hdr = 0, len(buf), REPLY.size
+        waiting = self._waiting
+        while end - pos >= hdr:
+            status, length = REPLY.unpack_from(buf, pos)
+            if end - pos - hdr < length:
+                break
+            body = bytes(buf[pos + hdr : pos + hdr + length])
+            pos += hdr + length
+            future = waiting.popleft()
+            if future.done():  # its session stopped waiting
+                continue
+            if status == OK:
+                future.set_result(body)
+            elif status == FORMAT_ERROR:
+                future.set_exception(FormatError(body.decode(errors="replace")))
+            else:
+                future.set_exception(CodecProcessError(body.decode(errors="replace")))
+        del buf[:pos]
+
+    def _fail(self, exc: CodecProcessError) -> None:
+        if not self.alive:
+            return
+        log.error("%s", exc)
+        self.alive = False
+        self.loop.remove_reader(self.fd)
+        self.loop.remove_writer(self.fd)
+        self.sock.close()
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(exc)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def close(self) -> None:
+        if self.alive:
+            self.alive = False
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_writer(self.fd)
+            self.sock.close()  # the worker sees EOF and exits
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class CodecProcesses:
+    """Up to ``size`` worker processes, started on first use (a server without Opus
+    sessions never starts one); a worker that died is replaced for new sessions."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._workers: list[_Worker] = []
+        self._next_id = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 0
+
+    def _pick(self) -> _Worker:
+        self._workers = [w for w in self._workers if w.alive]
+        if len(self._workers) < self.size:
+            worker = _Worker(asyncio.get_running_loop())
+            self._workers.append(worker)
+            return worker
+        return min(self._workers, key=lambda w: w.open_codecs)
+
+    def _open(self, op: int) -> tuple[_Worker, int]:
+        worker = self._pick()
+        self._next_id = cid = (self._next_id + 1) & 0xFFFFFFFF
+        worker.request(op, cid)
+        worker.open_codecs += 1
+        return worker, cid
+
+    def opus_decoder(self) -> RemoteOpusDecoder:
+        return RemoteOpusDecoder(*self._open(OP_OPEN_DECODER))
+
+    def opus_encoder(self) -> RemoteOpusEncoder:
+        return RemoteOpusEncoder(*self._open(OP_OPEN_ENCODER))
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.close()
+        self._workers.clear()
+
+
+def _release(worker: _Worker, cid: int) -> None:
+    worker.open_codecs -= 1
+    if worker.alive:
+        with contextlib.suppress(CodecProcessError):
+            worker.request(OP_CLOSE, cid)
+
+
+class _RemoteCodec:
+    """A codec whose state lives in a worker; freed there when this object goes."""
+
+    inline = False
+    remote = True  # Connection awaits decode_async / encode_async instead of a pool hop
+
+    def __init__(self, worker: _Worker, cid: int) -> None:
+        self._worker, self._cid = worker, cid
+        self._release = weakref.finalize(self, _release, worker, cid)
+        self._release.atexit = False
+
+    def close(self) -> None:
+        self._release()
+
+
+class RemoteOpusDecoder(_RemoteCodec):
+    async def decode_async(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(await self._worker.call(OP_DECODE, self._cid, data), dtype=np.float32)
+
+    def decode(self, data: bytes) -> np.ndarray:
+        raise TypeError("this decoder lives in a codec process: await decode_async()")
+
+    def flush(self) -> np.ndarray:
+        return _EMPTY  # Opus holds no decoded samples back (opus.OpusStreamDecoder.flush)
+
+
+class RemoteOpusEncoder(_RemoteCodec):
+    async def encode_async(self, frame: np.ndarray) -> bytes:
+        samples = np.ascontiguousarray(frame, dtype=np.float32)
+        return await self._worker.call(OP_ENCODE, self._cid, memoryview(samples).cast("B"))
+
+    def encode(self, frame: np.ndarray) -> bytes:
+        raise TypeError("this encoder lives in a codec process: await encode_async()")

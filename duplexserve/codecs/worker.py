@@ -1,0 +1,77 @@
+"""A codec worker process: holds Opus codec state for many sessions, answers in order.
+
+Started by ``procpool.CodecProcesses`` as ``python -m duplexserve.codecs.worker FD``
+with one end of a Unix socket pair. Requests and replies are length-prefixed frames
+(layout in ``procpool.py``); requests are served strictly in the order received, so a
+session's frames stay in order and its codec is only ever used by this one thread.
+The process ends when the server closes its end of the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+
+import numpy as np
+
+from duplexserve.codecs import procpool as pp
+from duplexserve.codecs.formats import FormatError
+from duplexserve.codecs.opus import OpusStreamDecoder, OpusStreamEncoder
+
+
+def serve(sock: socket.socket) -> None:
+    codecs: dict[int, OpusStreamDecoder | OpusStreamEncoder] = {}
+    buf = bytearray()
+    hdr = pp.REQUEST.size
+    while True:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return
+        buf += chunk
+        pos = 0
+        while len(buf) - pos >= hdr:
+            op, cid, length = pp.REQUEST.unpack_from(buf, pos)
+            if len(buf) - pos - hdr < length:
+                break
+            payload = bytes(buf[pos + hdr : pos + hdr + length])
+            pos += hdr + length
+            reply = _handle(codecs, op, cid, payload)
+            if reply is not None:
+                status, body = reply
+                sock.sendall(pp.REPLY.pack(status, len(body)) + body)
+        del buf[:pos]
+
+
+def _handle(codecs: dict, op: int, cid: int, payload: bytes) -> tuple[int, bytes] | None:
+    if op == pp.OP_OPEN_DECODER:
+        codecs[cid] = OpusStreamDecoder()
+        return None
+    if op == pp.OP_OPEN_ENCODER:
+        codecs[cid] = OpusStreamEncoder()
+        return None
+    if op == pp.OP_CLOSE:
+        codecs.pop(cid, None)
+        return None
+    codec = codecs.get(cid)
+    try:
+        if op == pp.OP_DECODE and isinstance(codec, OpusStreamDecoder):
+            return pp.OK, codec.decode(payload).tobytes()
+        if op == pp.OP_ENCODE and isinstance(codec, OpusStreamEncoder):
+            return pp.OK, codec.encode(np.frombuffer(payload, dtype=np.float32))
+        return pp.FAILED, f"no codec {cid} for operation {op}".encode()
+    except FormatError as exc:
+        return pp.FORMAT_ERROR, str(exc).encode()
+    except Exception as exc:  # one session's failure, reported to it
+        return pp.FAILED, f"{type(exc).__name__}: {exc}".encode()
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock.setblocking(True)
+    with contextlib.suppress(ConnectionError, KeyboardInterrupt):
+        serve(sock)
+
+
+if __name__ == "__main__":
+    main()
