@@ -1,0 +1,157 @@
+"""The talk page at / in a real browser: Debian's headless Chromium, driven by Playwright,
+with a fake microphone fed from a WAV file made here. The echo engine sends the microphone
+back, so audio that reaches the page proves the whole path: AudioWorklet capture, 80 ms
+frames over duplex/1, the server, and the jitter buffer's playback side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import struct
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+import websockets
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
+
+CHROMIUM = os.environ.get("DUPLEXSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "browser.png"
+WORDS = ("hello", "from", "the", "duplex", "echo", "engine")
+
+needs_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason=f"Chromium not installed at {CHROMIUM} (Debian package chromium)"
+)
+
+
+def write_voice_wav(path: Path, seconds: float = 4.0, rate: int = 48000) -> None:
+    """A speech-like test signal: a vowel-ish harmonic stack, syllable-modulated.
+
+    Not a steady tone, which a browser's noise suppression may treat as noise and remove.
+    """
+    frames = bytearray()
+    for n in range(int(seconds * rate)):
+        t = n / rate
+        pitch = 140 + 30 * math.sin(2 * math.pi * 0.7 * t)
+        voice = sum(math.sin(2 * math.pi * pitch * k * t) / k for k in range(1, 8))
+        envelope = max(0.0, math.sin(2 * math.pi * 2.5 * t)) ** 2  # five syllables a second
+        frames += struct.pack("<h", int(9000 * voice * envelope))
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(bytes(frames))
+
+
+def test_page_and_assets_are_served(echo_server) -> None:
+    page = httpx.get(echo_server.http + "/", timeout=5)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert 'src="static/app.js"' in page.text
+    for name in ("app.js", "worklet.js"):
+        asset = httpx.get(f"{echo_server.http}/static/{name}", timeout=5)
+        assert asset.status_code == 200
+        assert "javascript" in asset.headers["content-type"]
+    assert "registerProcessor(\"capture\"" in httpx.get(echo_server.http + "/static/worklet.js").text
+
+
+@contextlib.contextmanager
+def chromium_with_fake_mic(tmp_path: Path) -> Iterator[Browser]:
+    """Headless Chromium whose microphone plays a WAV file, permission granted."""
+    from playwright.sync_api import sync_playwright
+
+    wav = tmp_path / "voice.wav"
+    write_voice_wav(wav)
+    args = [
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}",
+        "--autoplay-policy=no-user-gesture-required",
+        # No reaching out: this machine has no network beyond loopback.
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@needs_chromium
+def test_talk_page_round_trip_in_chromium(server_factory, tmp_path) -> None:
+    server = server_factory("--max-sessions", "4")
+    with chromium_with_fake_mic(tmp_path) as browser:
+        page = browser.new_page(viewport={"width": 900, "height": 760})
+        logs: list[str] = []
+        page.on("console", lambda m: logs.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: logs.append(f"pageerror: {e}"))
+        page.goto(server.http + "/")
+        page.click("#talk")
+        try:
+            page.wait_for_function(
+                "s => s.framesReceived >= 40 && s.textDeltas >= 4 && s.bufferMs > 0",
+                arg=page.evaluate_handle("window.duplexStats"),
+                timeout=30_000,
+            )
+        except Exception:
+            pytest.fail(f"no audio back: {page.evaluate('window.duplexStats')}\n" + "\n".join(logs))
+        live = page.evaluate("window.duplexStats")
+        assert live["state"] == "live" and live["error"] is None, live
+        assert live["engine"] == "synthetic"
+        # The echo engine's answer is the microphone itself: audio, not silence.
+        assert live["maxOutputPeak"] > 0.01, live
+        assert live["rttMs"] is not None and live["rttMs"] >= 0
+        transcript = page.inner_text("#transcript")
+        assert sum(word in transcript for word in WORDS) >= 3, transcript
+        assert page.inner_text("#received") != "0"
+        shot = tmp_path / "browser.png"
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("DUPLEXSERVE_UPDATE_SCREENSHOT"):
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shot, SCREENSHOT)
+
+        # Stop: input.end, every frame sent is answered, then the session completes.
+        page.click("#talk")
+        page.wait_for_function(
+            "s => s.state === 'idle' && s.closeReason !== null",
+            arg=page.evaluate_handle("window.duplexStats"),
+            timeout=15_000,
+        )
+        done = page.evaluate("window.duplexStats")
+        assert done["closeReason"] == "completed", done
+        assert done["framesReceived"] == done["framesSent"], done
+
+
+@needs_chromium
+def test_talk_page_says_why_a_full_server_refused(server_factory, tmp_path) -> None:
+    server = server_factory("--max-sessions", "1", "--refuse-with-http-503")
+
+    async def hold_the_only_slot() -> None:
+        async with websockets.connect(server.ws()) as ws:
+            await ws.recv()  # session.created
+            await asyncio.to_thread(check_page)
+
+    def check_page() -> None:
+        with chromium_with_fake_mic(tmp_path) as browser:
+            page = browser.new_page()
+            page.goto(server.http + "/")
+            page.click("#talk")
+            page.wait_for_selector("#error:not([hidden])", timeout=15_000)
+            assert page.inner_text("#error") == "the server is full, try again later"
+            assert page.evaluate("window.duplexStats.state") == "idle"
+
+    asyncio.run(hold_the_only_slot())
