@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -14,6 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from duplexserve.loadgen.command import add_arguments as add_loadgen_arguments
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -64,7 +67,14 @@ def test_compose_profiles_add_loadgen_and_scale_out() -> None:
     assert services["loadgen"]["profiles"] == ["loadgen"]
     assert services["lb"]["profiles"] == services["duplexserve-1"]["profiles"] == ["scale"]
     loadgen = services["loadgen"]
-    assert loadgen["command"][:2] == ["loadgen", "rtf"]
+    # The profile's command is one the real loadgen accepts: BENCHMARKS.md's RTF run.
+    command = loadgen["command"]
+    assert command[0] == "loadgen"
+    parser = argparse.ArgumentParser()
+    add_loadgen_arguments(parser)
+    args = parser.parse_args(command[1:])
+    assert args.url == "ws://duplexserve:8998" and args.mode == "paced"
+    assert (args.seconds, args.message_ms, args.sessions, args.warmup) == (60, 160, "2x", "1x")
     assert loadgen["depends_on"]["duplexserve"]["condition"] == "service_healthy"
     # Each replica has its own GPU and refuses with 503 when full, which nginx retries.
     gpus = [
