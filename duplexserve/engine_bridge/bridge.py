@@ -67,7 +67,8 @@ class StepOutput:
 @dataclass(slots=True)
 class BridgeCounts:
     fast_puts: int = 0
-    slow_puts: int = 0
+    full_waits: int = 0  # frames that found the queue full and waited on the loop for room
+    slow_puts: int = 0  # items sent through the executor-drained overflow FIFO
     executor_submissions: int = 0
     loop_wakeups: int = 0
     steps: int = 0
@@ -140,8 +141,30 @@ class EngineBridge:
     def qsize(self) -> int:
         return self._queue.sync_q.qsize() if self._queue is not None else 0
 
+    def try_submit(self, item: tuple[int, int, Any]) -> bool:
+        """Put a frame if the queue has room now; False means wait for the next results.
+
+        The orchestrator keeps a refused frame at the head of its session's FIFO and
+        tries again when the engine's next results wake the loop: a full queue is waited
+        out on the loop, in order, with no thread hop and no extra wake-up.
+        """
+        assert self._queue is not None
+        if self._overflow:
+            return False
+        try:
+            self._queue.async_q.put_nowait(item)
+        except asyncio.QueueFull:
+            self.counts.full_waits += 1
+            return False
+        self.counts.fast_puts += 1
+        return True
+
     def submit(self, item: tuple[int, int, Any]) -> None:
-        """Hand an item to the engine thread without blocking the loop, keeping order."""
+        """Hand an item to the engine thread without blocking the loop, keeping order.
+
+        Used for controls (open, close), which cannot wait for results: when the queue is
+        full they go to the overflow FIFO that one executor task drains.
+        """
         assert self._queue is not None
         if not self._overflow:
             try:

@@ -138,6 +138,11 @@ class Session:
         self.inflight += len(ready)
         return ready
 
+    def unready(self, frames: list[np.ndarray]) -> None:
+        """Take back frames the engine could not take yet; they go first next time."""
+        self._pending.extendleft(reversed(frames))
+        self.inflight -= len(frames)
+
     # ---------------------------------------------------------------- output side
     def deliver(self, audio: np.ndarray, text: str | None = None) -> None:
         """The engine's answer to the oldest frame in flight."""
