@@ -61,6 +61,8 @@ class Orchestrator:
         self.draining = False
         self.engine_failed = False  # a stalled engine that could not be replaced
         self._per_client: collections.Counter[str] = collections.Counter()
+        #: Sessions whose next frame found the engine queue full, oldest first.
+        self._waiting: dict[int, Session] = {}
         self._client_of: dict[int, str] = {}
         self._free = list(range(engine.num_slots - 1, -1, -1))
         self._by_slot: list[Session | None] = [None] * engine.num_slots
@@ -69,6 +71,9 @@ class Orchestrator:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _new_bridge(self, engine: Engine, counts: Any = None) -> EngineBridge:
+        make_bridge = getattr(engine, "make_bridge", None)
+        if make_bridge is not None:  # an engine with sessions and threads of its own (vllm-omni)
+            return make_bridge(self._on_outputs, counts=counts, on_step=self._observe_step)
         return EngineBridge(
             engine,
             self._on_outputs,
@@ -162,9 +167,12 @@ class Orchestrator:
             return
         frames = session.frames_ready()
         if frames:
-            slot, generation, submit = session.slot, session.generation, self.bridge.submit
-            for frame in frames:
-                submit((slot, generation, frame))
+            slot, generation, try_submit = session.slot, session.generation, self.bridge.try_submit
+            for i, frame in enumerate(frames):
+                if not try_submit((slot, generation, frame)):
+                    session.unready(frames[i:])
+                    self._waiting[slot] = session  # pumped again when results come back
+                    return
 
     def close(self, session: Session, reason: str, close_code: int) -> None:
         session.close(reason, close_code)
@@ -202,8 +210,9 @@ class Orchestrator:
                     session = by_slot[slot]
                     if session is not None and session.generation == generation:
                         session.error(errors.SessionError(
-                            out.error, "the engine failed on this session's audio",
-                            errors.INTERNAL,
+                            out.error,
+                            getattr(out, "message", "") or "the engine failed on this session's audio",
+                            getattr(out, "close_code", errors.INTERNAL),
                         ))
                         touched[slot] = session
                 continue
@@ -218,6 +227,15 @@ class Orchestrator:
         for session in touched.values():
             self.pump(session)
             session.notify()
+        self._pump_waiting()
+
+    def _pump_waiting(self) -> None:
+        """Give sessions held back by a full queue their turn, oldest first."""
+        waiting, self._waiting = self._waiting, {}
+        for slot, session in waiting.items():
+            if self._by_slot[slot] is session:
+                self.pump(session)
+                session.notify()
 
     # ---------------------------------------------------------------------- sweep
     async def _rebuild_engine(self) -> None:
@@ -253,6 +271,7 @@ class Orchestrator:
                 log.exception("session sweep failed")
 
     async def _sweep_once(self) -> None:
+        self._pump_waiting()  # a safety net: results normally do this at once
         started = self.bridge.step_started
         if started and not self.bridge.abandoned and time.monotonic() - started > self.engine_stall_s:
             await self._rebuild_engine()
