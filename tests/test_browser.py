@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import shutil
-import struct
 import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+import numpy as np
 import pytest
 import websockets
 
@@ -38,18 +37,16 @@ def write_voice_wav(path: Path, seconds: float = 4.0, rate: int = 48000) -> None
 
     Not a steady tone, which a browser's noise suppression may treat as noise and remove.
     """
-    frames = bytearray()
-    for n in range(int(seconds * rate)):
-        t = n / rate
-        pitch = 140 + 30 * math.sin(2 * math.pi * 0.7 * t)
-        voice = sum(math.sin(2 * math.pi * pitch * k * t) / k for k in range(1, 8))
-        envelope = max(0.0, math.sin(2 * math.pi * 2.5 * t)) ** 2  # five syllables a second
-        frames += struct.pack("<h", int(9000 * voice * envelope))
+    t = np.arange(int(seconds * rate)) / rate
+    phase = 2 * np.pi * np.cumsum(140 + 30 * np.sin(2 * np.pi * 0.7 * t)) / rate
+    voice = sum(np.sin(k * phase) / k for k in range(1, 8))
+    envelope = np.maximum(0.0, np.sin(2 * np.pi * 2.5 * t)) ** 2  # five syllables a second
+    pcm = (9000 * voice * envelope).astype("<i2")
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(rate)
-        w.writeframes(bytes(frames))
+        w.writeframes(pcm.tobytes())
 
 
 def test_page_and_assets_are_served(echo_server) -> None:
