@@ -1,0 +1,105 @@
+"""Kyutai's Moshi protocol at ``/api/chat``: kind-prefixed binary messages, Ogg/Opus both ways.
+
+It has no end-of-input message (a Moshi client just hangs up), so ``end_input`` notes
+how many frames went out and the driver hangs up itself, reporting the session
+``completed``, once as many audio messages came back: the server sends one per frame.
+Frames sent are read from the Ogg pages' granule positions (48 kHz units), so the
+driver needs no help from the runner to count them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from duplexserve.codecs import AudioFormat
+from duplexserve.loadgen.drivers.base import ClientDriver, Sink
+
+_GRANULES_PER_FRAME = 3840  # 80 ms at 48 kHz, Opus's granule clock
+_AUDIO = b"\x01"
+
+
+def last_granule(pages: bytes | memoryview) -> int:
+    """Granule position of the last Ogg page in ``pages`` (-1 when none is complete)."""
+    data = memoryview(pages)
+    granule, i = -1, 0
+    while i + 27 <= len(data) and data[i : i + 4] == b"OggS":
+        segments = data[i + 27 : i + 27 + data[i + 26]]
+        granule = struct.unpack_from("<q", data, i + 6)[0]
+        i += 27 + len(segments) + sum(segments)
+    return granule
+
+
+class MoshiDriver(ClientDriver):
+    name = "moshi"
+    default_path = "/api/chat"
+    input_formats = ("opus",)
+
+    def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
+        if output_format.format != "opus":
+            raise ValueError("the Moshi protocol answers in Ogg/Opus: use output format opus")
+        super().__init__(input_format, output_format, sink)
+        self._ready: asyncio.Future[None] | None = None
+        self._frames_sent = 0
+        self._frames_received = 0
+        self._target: int | None = None
+        self._finished = False
+
+    def _ready_future(self) -> asyncio.Future[None]:
+        if self._ready is None:
+            self._ready = asyncio.get_running_loop().create_future()
+        return self._ready
+
+    async def ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._ready_future(), timeout)
+
+    def send_audio(self, chunk: bytes | memoryview) -> None:
+        assert self.ws is not None
+        granule = last_granule(chunk)
+        if granule > 0:
+            self._frames_sent = granule // _GRANULES_PER_FRAME
+        self.ws.send_binary(_AUDIO + bytes(chunk))
+
+    def end_input(self) -> None:
+        self._target = self._frames_sent
+        self._maybe_finish()
+
+    def on_binary(self, data: bytes, now: float) -> None:
+        if not data:
+            return
+        kind, sink = data[0], self.sink
+        if kind == 1:
+            self._frames_received += 1
+            sink.on_audio(data[1:], now)
+            self._maybe_finish()
+        elif kind == 2:
+            sink.on_text(now)
+        elif kind == 0:
+            sink.on_ready({"session_id": "", "output": {"format": "opus", "sample_rate": 24000}})
+            ready = self._ready_future()
+            if not ready.done():
+                ready.set_result(None)
+        elif kind == 5:
+            message = data[1:].decode(errors="replace")
+            sink.on_error("moshi_error", message, True)
+            self._fail_open(f"server refused: {message}")
+
+    def on_close(self, code: int | None, reason: str) -> None:
+        self._fail_open(f"closed with {code} before the handshake")
+        super().on_close(code, reason)
+
+    def _maybe_finish(self) -> None:
+        if self._finished or self._target is None or self._frames_received < self._target:
+            return
+        self._finished = True
+        self.sink.on_closed("completed", {})
+        self.close()
+
+    def _fail_open(self, why: str) -> None:
+        ready = self._ready_future()
+        if not ready.done():
+            ready.set_exception(ConnectionError(why))
+            ready.exception()
+
+
+DRIVER = MoshiDriver
