@@ -19,7 +19,19 @@ def main(argv: list[str] | None = None) -> int:
         "reads an environment variable, named in its help.",
     )
     ServerConfig.add_arguments(serve_p)
+    from duplexserve.loadgen import bench, command
+
+    command.add_arguments(sub.add_parser(
+        "loadgen", help="drive a server with sessions and measure it", description=command.__doc__
+    ))
+    bench.add_arguments(sub.add_parser(
+        "bench", help="run the benchmark suite (docs/benchmarks.md)", description=bench.__doc__
+    ))
     args = parser.parse_args(argv)
+    if args.command == "loadgen":
+        return command.run(args)
+    if args.command == "bench":
+        return bench.run(args)
     if args.command == "serve":
         config = ServerConfig.from_namespace(args)
         try:

@@ -1,0 +1,384 @@
+"""``duplexserve bench``: the benchmark suite of docs/benchmarks.md.
+
+Each benchmark starts the servers it compares (pinned to core 0), runs the load
+generator from the other cores, interleaves the variants it compares inside one run
+(timings on a shared machine are only comparable within the same minute), prints a
+table with the ratios and the targets, and writes JSON and PNG plots into ``--out``.
+
+- ``burst``: host burst, 64 and 96 sessions x 512 frames as fast as they go, engine
+  cost zero, side by side: the bare echo floor, duplexserve, and duplexserve with
+  ``--offload-every-frame`` (vLLM-Omni's per-frame thread hops), interleaved.
+- ``ws``: the same burst through uvicorn's ``websockets-sansio`` and ``websockets``.
+- ``rtf``: 64 and 96 paced sessions, 60.96 s of audio in 160 ms messages, 2 x
+  concurrency sessions after one warm-up batch, the synthetic engine stepping like
+  a 2B-class model on one H200.
+- ``capacity``: paced sessions in steps; the largest count whose guards hold with zero
+  underruns and a p99 within 1.2x of the bare echo's at the same count.
+
+``--short`` runs CI-sized versions of each (seconds, not minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+#: The synthetic step model fitted to BENCHMARKS.md's H200 2B-class table
+#: (1: 19.5, 32: 26.0, 64: 35.7, 96: 40.6, 128: 42.5, 192: 55.7 ms), least squares.
+H200_2B_BASE_MS = 21.0
+H200_2B_PER_SESSION_MS = 0.184
+
+BENCHMARKS = ("burst", "ws", "rtf", "capacity")
+
+
+@dataclass
+class Scale:
+    """Sizes of every benchmark, full or CI-short."""
+
+    burst_levels: tuple[int, ...] = (64, 96)
+    burst_frames: int = 512
+    reps: int = 3
+    rtf_levels: tuple[int, ...] = (64, 96)
+    rtf_frames: int = 762  # 60.96 s: the 762 output frames of BENCHMARKS.md's RTF run
+    capacity_levels: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
+    capacity_frames: int = 250  # 20 s of audio per session
+
+
+SHORT = Scale(burst_levels=(16,), burst_frames=64, reps=2, rtf_levels=(8,), rtf_frames=40,
+              capacity_levels=(10, 20), capacity_frames=25)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("benchmarks", nargs="*", default=["all"], choices=(*BENCHMARKS, "all"),
+                   help="which benchmarks (default all)")
+    p.add_argument("--short", action="store_true", help="CI-sized: seconds instead of minutes")
+    p.add_argument("--out", default="bench-out", help="folder for JSON and plots")
+    p.add_argument("--reps", type=int, help="interleaved repetitions for burst and ws")
+    p.add_argument("--capacity", help="comma list of session counts for the capacity sweep")
+    p.add_argument("--capacity-frames", type=int, help="frames per session in the capacity sweep")
+    p.add_argument("--message-ms", type=int, default=160, help="message size of the paced benchmarks")
+    p.add_argument("--processes", type=int, default=1, help="client processes")
+    p.add_argument("--no-pin", action="store_true", help="do not pin server and client to cores")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from duplexserve.loadgen.servers import pin_client
+
+    console = Console(width=None if Console().is_terminal else 140)
+    scale = SHORT if args.short else Scale()
+    if args.reps:
+        scale = replace(scale, reps=args.reps)
+    if args.capacity:
+        scale = replace(scale, capacity_levels=tuple(int(c) for c in args.capacity.split(",")))
+    if args.capacity_frames:
+        scale = replace(scale, capacity_frames=args.capacity_frames)
+    chosen = BENCHMARKS if "all" in args.benchmarks else tuple(dict.fromkeys(args.benchmarks))
+    pinning = "not pinned" if args.no_pin else pin_client()
+    short = " (short)" if args.short else ""
+    console.print(f"[bold]duplexserve bench[/] {' '.join(chosen)}{short}: {pinning}")
+    bench = Bench(console, scale, Path(args.out), not args.no_pin, not args.no_progress,
+                  args.processes, args.message_ms)
+    ok = True
+    for name in chosen:
+        started = time.monotonic()
+        ok = getattr(bench, name.replace("-", "_"))() and ok
+        console.print(f"[dim]{name} took {time.monotonic() - started:.0f} s[/]")
+    return 0 if ok else 1
+
+
+def _median(values: list[float]) -> float:
+    clean = [v for v in values if not math.isnan(v)]
+    return statistics.median(clean) if clean else math.nan
+
+
+def _meets(value: float, bound: float, how: int) -> bool:
+    """how: -1 at most, -2 below, 1 at least, 0 equal."""
+    if math.isnan(value):
+        return False
+    return {-1: value <= bound, -2: value < bound, 1: value >= bound, 0: value == bound}[how]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+class Bench:
+    def __init__(self, console: Any, scale: Scale, out: Path, pin: bool, progress: bool,
+                 processes: int, message_ms: int) -> None:
+        self.console = console
+        self.scale = scale
+        self.out = out
+        self.pin = pin
+        self.progress = progress
+        self.processes = processes
+        self.message_ms = message_ms
+
+    # ------------------------------------------------------------------ helpers
+    def _load(self, url: str, label: str, **kw: Any) -> Any:
+        from duplexserve.loadgen.report import LiveView
+        from duplexserve.loadgen.runner import LoadSpec, run_load
+
+        spec = LoadSpec(url=url, label=label, processes=self.processes, **kw)
+        with LiveView(self.console, self.progress) as view:
+            return run_load(spec, view.update)
+
+    def _interleaved(self, servers: dict[str, Any], levels: tuple[int, ...],
+                     make: Callable[[int], dict[str, Any]]) -> dict[str, dict[int, list[Any]]]:
+        """Every variant at every level, ``reps`` times, variants alternating within each rep."""
+        runs: dict[str, dict[int, list[Any]]] = {name: {c: [] for c in levels} for name in servers}
+        for rep in range(self.scale.reps):
+            for c in levels:
+                order = list(servers) if rep % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    r = self._load(servers[name].url, f"{name} c={c} rep {rep + 1}", **make(c))
+                    runs[name][c].append(r)
+                    self._say_run(r)
+        return runs
+
+    def _say_run(self, r: Any) -> None:
+        s = r.summary()
+        server = s.get("server") or {}
+        guard = "ok" if s["guards_ok"] else f"[red]GUARD FAILED: {r.failures[:2]}[/]"
+        self.console.print(
+            f"  {r.label}: {s['frames']} frames, server "
+            f"{server.get('cpu_us_per_frame', math.nan):.1f} us/frame, "
+            f"{server.get('voluntary_switches_per_frame', math.nan):.3f} vcsw/frame, makespan "
+            f"{s['makespan_s']:.2f} s, rt p99 {s['rt_p99_ms']:.1f} ms, underruns {s['underruns']}, "
+            f"guards {guard}"
+        )
+
+    def _warm(self, *servers: Any) -> None:
+        for server in servers:
+            self._load(server.url, "warm-up", concurrency=8, sessions=8, frames=64, paced=False,
+                       scrape_metrics=False)
+
+    def _write(self, name: str, payload: dict[str, Any], runs: list[Any]) -> None:
+        from duplexserve.loadgen.report import write_json
+
+        path = self.out / f"{name}.json"
+        write_json(path, runs, {"benchmark": name, **payload})
+        self.console.print(f"wrote {path}")
+
+    def _burst_spec(self, c: int) -> dict[str, Any]:
+        return {"concurrency": c, "sessions": c, "frames": self.scale.burst_frames, "message_ms": 80,
+                "paced": False}
+
+    @staticmethod
+    def _costs(runs: list[Any]) -> dict[str, float]:
+        """Medians over repetitions of one variant at one level."""
+        def med(key: str, server: bool = True) -> float:
+            return _median([(r.summary().get("server") or {}).get(key, math.nan) if server
+                            else r.summary()[key] for r in runs])
+        return {
+            "cpu_us_per_frame": med("cpu_us_per_frame"),
+            "vcsw_per_frame": med("voluntary_switches_per_frame"),
+            "exec_per_frame": med("executor_submissions_per_frame"),
+            "makespan_s": med("makespan_s", server=False),
+            "wall_us_per_frame": med("us_per_frame_wall", server=False),
+            "rt_p99_ms": med("rt_p99_ms", server=False),
+            "guards_ok": all(r.guards_ok for r in runs),
+        }
+
+    def _print_targets(self, summary: dict[str, Any]) -> None:
+        for level, block in summary.items():
+            for target, value in block["targets"].items():
+                mark = "[green]met[/]" if block["met"][target] else "[red]missed[/]"
+                self.console.print(f"  {level} sessions: {target}: {value:.3f} {mark}")
+
+    # ---------------------------------------------------------------- benchmarks
+    def burst(self) -> bool:
+        """Benchmarks 1 and 4: host burst, echo floor vs duplexserve vs the per-frame offload path."""
+        from rich.table import Table
+
+        from duplexserve.loadgen import plots
+        from duplexserve.loadgen.servers import Server, running
+
+        self.console.rule("host burst, side by side")
+        common = ["--text-every", "0", "--max-sessions", "256"]
+        servers = {
+            "echo floor": Server("echo floor", "echo", []),
+            "duplexserve": Server("duplexserve", "duplexserve", common),
+            "offload path": Server("offload path", "duplexserve", [*common, "--offload-every-frame"]),
+        }
+        levels = self.scale.burst_levels
+        with running(*servers.values(), pin=self.pin):
+            self._warm(*servers.values())
+            runs = self._interleaved(servers, levels, self._burst_spec)
+        table = Table(title=f"host burst: median of {self.scale.reps} interleaved runs, engine cost zero")
+        for col in ("variant", "sessions x frames", "server us/frame", "vcsw/frame", "exec/frame",
+                    "makespan s", "wall us/frame", "guards"):
+            table.add_column(col, justify="left" if col == "variant" else "right")
+        summary: dict[str, Any] = {}
+        ok = True
+        for c in levels:
+            costs = {name: self._costs(runs[name][c]) for name in servers}
+            for name, k in costs.items():
+                table.add_row(name, f"{c} x {self.scale.burst_frames}", f"{k['cpu_us_per_frame']:.1f}",
+                              f"{k['vcsw_per_frame']:.3f}", f"{k['exec_per_frame']:.3f}",
+                              f"{k['makespan_s']:.2f}", f"{k['wall_us_per_frame']:.1f}",
+                              "ok" if k["guards_ok"] else "FAIL")
+            ds, echo, off = costs["duplexserve"], costs["echo floor"], costs["offload path"]
+            cpu = "cpu_us_per_frame"
+            checks = (  # (target, measured, met)
+                ("server CPU per frame / echo floor's (<= 1.1)", _ratio(ds[cpu], echo[cpu]), 1.1, -1),
+                ("offload path CPU per frame / duplexserve's (>= 2)", _ratio(off[cpu], ds[cpu]), 2.0, 1),
+                ("offload path makespan / duplexserve's (>= 2)",
+                 _ratio(off["makespan_s"], ds["makespan_s"]), 2.0, 1),
+                ("voluntary context switches per frame (< 0.05)", ds["vcsw_per_frame"], 0.05, -2),
+                ("executor submissions per frame (= 0)", ds["exec_per_frame"], 0.0, 0),
+            )
+            targets = {name: value for name, value, _, _ in checks}
+            met = {name: _meets(value, bound, how) for name, value, bound, how in checks}
+            summary[str(c)] = {"costs": costs, "targets": targets, "met": met}
+            ok = ok and all(k["guards_ok"] for k in costs.values())
+        self.console.print(table)
+        self._print_targets(summary)
+        img = self.out / "img"
+        first = levels[-1]
+        plots.bars({n: self._costs(runs[n][first])["cpu_us_per_frame"] for n in servers},
+                   img / "burst_cpu_per_frame.png", "server CPU per frame (us)",
+                   f"host burst {first} x {self.scale.burst_frames}: server CPU per frame")
+        plots.latency_cdf([runs[n][first][0] for n in servers], img / "burst_latency_cdf.png",
+                          f"host burst {first} sessions: frame round trip")
+        self._write("burst", {"summary": summary}, [r for n in servers for c in levels for r in runs[n][c]])
+        return ok
+
+    def ws(self) -> bool:
+        """uvicorn's two WebSocket implementations, by burst CPU per frame."""
+        from rich.table import Table
+
+        from duplexserve.loadgen.servers import Server, running
+
+        self.console.rule("uvicorn WebSocket implementation")
+        common = ["--text-every", "0", "--max-sessions", "256"]
+        servers = {}
+        for impl in ("websockets-sansio", "websockets"):
+            servers[f"echo {impl}"] = Server(f"echo {impl}", "echo", ["--ws", impl])
+            name = f"duplexserve {impl}"
+            servers[name] = Server(name, "duplexserve", [*common, "--ws", impl])
+        level = self.scale.burst_levels[:1]
+        with running(*servers.values(), pin=self.pin):
+            self._warm(*servers.values())
+            runs = self._interleaved(servers, level, self._burst_spec)
+        table = Table(title=f"burst {level[0]} x {self.scale.burst_frames}, median of {self.scale.reps}")
+        for col in ("server", "server us/frame", "vcsw/frame", "makespan s", "guards"):
+            table.add_column(col, justify="left" if col == "server" else "right")
+        costs = {name: self._costs(runs[name][level[0]]) for name in servers}
+        for name, k in costs.items():
+            table.add_row(name, f"{k['cpu_us_per_frame']:.1f}", f"{k['vcsw_per_frame']:.3f}",
+                          f"{k['makespan_s']:.2f}", "ok" if k["guards_ok"] else "FAIL")
+        self.console.print(table)
+        sansio = costs["duplexserve websockets-sansio"]["cpu_us_per_frame"]
+        legacy = costs["duplexserve websockets"]["cpu_us_per_frame"]
+        winner = "websockets-sansio" if sansio <= legacy else "websockets"
+        self.console.print(f"winner: [bold]{winner}[/] (duplexserve CPU per frame: sansio {sansio:.1f} us, "
+                           f"websockets {legacy:.1f} us, ratio {_ratio(legacy, sansio):.2f})")
+        self._write("ws", {"costs": costs, "winner": winner},
+                    [r for n in servers for r in runs[n][level[0]]])
+        return all(k["guards_ok"] for k in costs.values())
+
+    def rtf(self) -> bool:
+        """Benchmark 2: paced sessions against an engine that steps like an H200 2B-class model."""
+        from rich.table import Table
+
+        from duplexserve.loadgen import plots
+        from duplexserve.loadgen.servers import Server, running
+
+        self.console.rule("RTF run, H200 2B-class step model")
+        server = Server("duplexserve", "duplexserve", [
+            "--max-sessions", "256", "--step-base-ms", str(H200_2B_BASE_MS),
+            "--step-per-session-ms", str(H200_2B_PER_SESSION_MS),
+        ])
+        results = []
+        with running(server, pin=self.pin):
+            for c in self.scale.rtf_levels:
+                r = self._load(server.url, f"rtf c={c}", concurrency=c, sessions=2 * c, warmup=c,
+                               frames=self.scale.rtf_frames, message_ms=self.message_ms, paced=True,
+                               timeout_s=120.0)
+                results.append(r)
+                self._say_run(r)
+        table = Table(title=f"RTF run: {self.scale.rtf_frames * 0.08:.2f} s of audio per session in "
+                            f"{self.message_ms} ms messages, 2 x c sessions after a warm-up batch")
+        for col in ("concurrency", "wall min/median/max s", "RTF min/median/max", "rt p50/p99/max ms",
+                    "underruns", "guards"):
+            table.add_column(col, justify="right")
+        summary = {}
+        for c, r in zip(self.scale.rtf_levels, results, strict=True):
+            s = r.summary()
+            summary[str(c)] = s
+            table.add_row(str(c), f"{s['wall_min_s']:.2f}/{s['wall_median_s']:.2f}/{s['wall_max_s']:.2f}",
+                          f"{s['rtf_min']:.3f}/{s['rtf_median']:.3f}/{s['rtf_max']:.3f}",
+                          f"{s['rt_p50_ms']:.1f}/{s['rt_p99_ms']:.1f}/{s['rt_max_ms']:.1f}",
+                          str(s["underruns"]), "ok" if s["guards_ok"] else "FAIL")
+        self.console.print(table)
+        img = self.out / "img"
+        plots.rtf_per_session(results, img / "rtf_per_session.png", "RTF run: RTF per session")
+        plots.latency_cdf(results, img / "rtf_latency_cdf.png", "RTF run: frame round trip")
+        self._write("rtf", {"step_model": {"base_ms": H200_2B_BASE_MS,
+                                           "per_session_ms": H200_2B_PER_SESSION_MS}}, results)
+        return all(r.guards_ok for r in results)
+
+    def capacity(self) -> bool:
+        """Benchmark 3: paced capacity on one server core, judged against the bare echo at each count."""
+        from rich.table import Table
+
+        from duplexserve.loadgen import plots
+        from duplexserve.loadgen.servers import Server, running
+
+        self.console.rule("paced capacity sweep")
+        top = max(self.scale.capacity_levels)
+        servers = {
+            "echo floor": Server("echo floor", "echo", []),
+            "duplexserve": Server("duplexserve", "duplexserve", ["--max-sessions", str(top + 16)]),
+        }
+        runs: dict[str, dict[int, Any]] = {n: {} for n in servers}
+        with running(*servers.values(), pin=self.pin):
+            self._warm(*servers.values())
+            for i, c in enumerate(self.scale.capacity_levels):
+                order = list(servers) if i % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    r = self._load(servers[name].url, f"{name} {c} paced", concurrency=c, sessions=c,
+                                   frames=self.scale.capacity_frames, message_ms=self.message_ms,
+                                   paced=True, timeout_s=120.0)
+                    runs[name][c] = r
+                    self._say_run(r)
+        table = Table(title=f"paced capacity: {self.scale.capacity_frames * 0.08:.0f} s per session, "
+                            f"{self.message_ms} ms messages")
+        for col in ("sessions", "echo p50/p99 ms", "duplexserve p50/p99 ms", "p99 ratio", "underruns echo/ds",
+                    "server us/frame echo/ds", "client busy", "held"):
+            table.add_column(col, justify="right")
+        held = 0
+        rows = {}
+        for c in self.scale.capacity_levels:
+            e, d = runs["echo floor"][c].summary(), runs["duplexserve"][c].summary()
+            ratio = _ratio(d["rt_p99_ms"], e["rt_p99_ms"])
+            ok = d["guards_ok"] and d["underruns"] == 0 and ratio <= 1.2
+            if ok:
+                held = max(held, c)
+            busy = runs["duplexserve"][c].client.busy
+            rows[str(c)] = {"echo": e, "duplexserve": d, "p99_ratio": ratio, "held": ok}
+            table.add_row(str(c), f"{e['rt_p50_ms']:.1f}/{e['rt_p99_ms']:.1f}",
+                          f"{d['rt_p50_ms']:.1f}/{d['rt_p99_ms']:.1f}", f"{ratio:.2f}",
+                          f"{e['underruns']}/{d['underruns']}",
+                          f"{(e.get('server') or {}).get('cpu_us_per_frame', math.nan):.1f}/"
+                          f"{(d.get('server') or {}).get('cpu_us_per_frame', math.nan):.1f}",
+                          f"{100 * busy:.0f}%", "yes" if ok else "no")
+        self.console.print(table)
+        self.console.print(f"largest count held: [bold]{held}[/] (guards, zero underruns, p99 <= 1.2x echo)")
+        series = {
+            name: [(c, r.summary()["rtf_median"], r.summary()["rt_p99_ms"]) for c, r in runs[name].items()]
+            for name in servers
+        }
+        plots.sweep(series, self.out / "img" / "capacity_sweep.png", "paced capacity: RTF and p99 round trip")
+        self._write("capacity", {"held": held, "levels": rows},
+                    [r for n in servers for r in runs[n].values()])
+        return True

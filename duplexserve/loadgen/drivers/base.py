@@ -1,0 +1,104 @@
+"""The interface between the load generator and a wire protocol.
+
+The runner owns timing, audio and guards and speaks to a session through a driver:
+``open`` (connect and wait for the server's go-ahead), ``send_audio`` (one message of
+audio already in the session's input format), ``end_input`` and ``close``. The driver
+turns whatever the protocol puts on the wire back into calls on a :class:`Sink`: one
+``on_audio`` per output frame, in arrival order, stamped with the arrival time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from duplexserve.codecs import AudioFormat
+from duplexserve.loadgen.wsclient import WSClient
+
+
+class Sink(Protocol):
+    def on_ready(self, info: dict[str, Any]) -> None:
+        """The session is open; ``info`` holds what the server said about it."""
+
+    def on_audio(self, data: bytes, now: float) -> None:
+        """One output frame in the session's output format."""
+
+    def on_text(self, now: float) -> None:
+        """A text token (only counted)."""
+
+    def on_error(self, code: str, message: str, fatal: bool) -> None: ...
+
+    def on_closed(self, reason: str, info: dict[str, Any]) -> None:
+        """The server ended the session (for example ``completed`` after input.end)."""
+
+    def on_disconnect(self, code: int | None, reason: str) -> None:
+        """The WebSocket is closed."""
+
+
+class ClientDriver(ABC):
+    """One session of one protocol over one WebSocket."""
+
+    #: Name given to ``--protocol``.
+    name: ClassVar[str] = "?"
+    #: Path appended to a URL that has none.
+    default_path: ClassVar[str] = "/"
+    #: Input formats the protocol can carry (None: any the server accepts).
+    input_formats: ClassVar[tuple[str, ...] | None] = None
+
+    def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
+        self.input_format = input_format
+        self.output_format = output_format
+        self.sink = sink
+        self.ws: WSClient | None = None
+
+    def url(self, base: str) -> str:
+        """The URL to open: ``base`` with this protocol's path when it has none, and its query."""
+        parts = urlsplit(base)
+        path = parts.path if parts.path not in ("", "/") else self.default_path
+        query = self.query()
+        if parts.query:
+            query = parts.query + ("&" + query if query else "")
+        return urlunsplit((parts.scheme, parts.netloc, path, query, ""))
+
+    def query(self) -> str:
+        return ""
+
+    async def open(self, base_url: str, timeout: float = 30.0) -> None:
+        """Connect; returns when the server is ready for audio (``on_ready`` was called)."""
+        self.ws = await WSClient.connect(self.url(base_url), self, timeout)
+        await self.ready(timeout)
+
+    @abstractmethod
+    async def ready(self, timeout: float) -> None:
+        """After the WebSocket handshake: whatever the protocol needs before audio."""
+
+    @abstractmethod
+    def send_audio(self, chunk: bytes | memoryview) -> None:
+        """Send one message of input audio, already in the input format."""
+
+    @abstractmethod
+    def end_input(self) -> None:
+        """No more audio: ask the server to answer what it has, then close."""
+
+    async def drain(self) -> None:
+        if self.ws is not None:
+            await self.ws.drain()
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+
+    def abort(self) -> None:
+        if self.ws is not None:
+            self.ws.abort()
+
+    # WebSocket handler: a protocol implements what its server sends.
+    @abstractmethod
+    def on_text(self, text: str, now: float) -> None: ...
+
+    @abstractmethod
+    def on_binary(self, data: bytes, now: float) -> None: ...
+
+    def on_close(self, code: int | None, reason: str) -> None:
+        self.sink.on_disconnect(code, reason)

@@ -1,0 +1,118 @@
+"""Start and stop the servers a benchmark measures, each pinned to its own core.
+
+The server under test runs on core 0 (``taskset -c 0``) and the load generator on the
+other cores, so the server's CPU per frame and its latency are not shared with the
+client's. Pinning is skipped where ``taskset`` or a second core is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+SERVER_CPU = 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def can_pin() -> bool:
+    return shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= 2
+
+
+def pin_client() -> str:
+    """Move this process (and the children it starts later) off the server's core."""
+    if not can_pin():
+        return "not pinned (one core or no taskset)"
+    others = os.sched_getaffinity(0) - {SERVER_CPU}
+    os.sched_setaffinity(0, others)
+    return f"client on cores {','.join(map(str, sorted(others)))}, server on core {SERVER_CPU}"
+
+
+@dataclass
+class Server:
+    """A server subprocess; ``url`` is its WebSocket base address."""
+
+    name: str
+    kind: str  # duplexserve | echo
+    args: list[str]
+    port: int = 0
+    pinned: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: str = ""
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/duplex"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, pin: bool = True, timeout: float = 60.0) -> Server:
+        self.port = free_port()
+        module = "duplexserve.loadgen.echo" if self.kind == "echo" else "duplexserve"
+        command = [sys.executable, "-m", module]
+        if self.kind != "echo":
+            command.append("serve")
+        command += ["--port", str(self.port), "--log-level", "warning", *self.args]
+        self.pinned = pin and can_pin()
+        if self.pinned:
+            command = ["taskset", "-c", str(SERVER_CPU), *command]
+        fd, self.log_path = tempfile.mkstemp(prefix=f"bench-{self.kind}-", suffix=".log")
+        log = os.fdopen(fd, "wb")
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        health = f"http://127.0.0.1:{self.port}/health"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=1) as r:
+                if r.status == 200:
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not start:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(OSError):
+            if self.log_path:
+                os.unlink(self.log_path)
+
+
+@contextlib.contextmanager
+def running(*servers: Server, pin: bool = True):  # type: ignore[no-untyped-def]
+    started: list[Server] = []
+    try:
+        for server in servers:
+            started.append(server.start(pin))
+        yield servers
+    finally:
+        for server in started:
+            server.stop()

@@ -1,0 +1,111 @@
+"""The load generator against real servers: guards pass on duplexserve, fail on a faulty echo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from duplexserve.loadgen.runner import LoadSpec, run_load
+from duplexserve.loadgen.servers import Server
+
+
+@pytest.fixture
+def faulty_echo():
+    """Start the bare echo server with one fault; stopped at the end of the test."""
+    started: list[Server] = []
+
+    def make(fault: str, frame: int = 3) -> Server:
+        server = Server(f"echo {fault}", "echo", ["--fault", fault, "--fault-frame", str(frame)])
+        started.append(server.start(pin=False))
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def _spec(url: str, **kw) -> LoadSpec:
+    base = {"concurrency": 4, "sessions": 6, "frames": 12, "message_ms": 160, "ramp_s": 0.0,
+            "timeout_s": 20.0}
+    return LoadSpec(url=url, **{**base, **kw})
+
+
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "burst"])
+def test_short_run_against_the_server_passes_its_guards(echo_server, paced):
+    result = run_load(_spec(echo_server.ws(), paced=paced, warmup=2))
+    summary = result.summary()
+    assert result.guards_ok, result.failures
+    assert summary["sessions"] == 6 and summary["frames"] == 6 * 12
+    assert summary["rt_p50_ms"] > 0 and summary["rtf_median"] > 0
+    server = summary["server"]
+    # The measured phase only: warm-up frames are outside the two scrapes.
+    assert server["frames"] == 6 * 12
+    assert server["executor_submissions_per_frame"] == 0  # native PCM never hops threads
+    assert summary["client"]["frames"] == 6 * 12
+
+
+def test_converted_formats_are_checked_byte_for_byte(echo_server):
+    result = run_load(_spec(echo_server.ws(), input_format="pcm_s16le", output_format="pcm_s16le",
+                            message_ms=80, sessions=2, concurrency=2))
+    assert result.guards_ok, result.failures
+
+
+def test_wrong_expectation_fails_the_content_guard(server_factory):
+    server = server_factory("--delay-frames", "2", "--max-sessions", "8")
+    right = run_load(_spec(server.ws(), delay_frames=2, sessions=2, concurrency=2))
+    assert right.guards_ok, right.failures
+    wrong = run_load(_spec(server.ws(), delay_frames=0, sessions=2, concurrency=2))
+    assert not wrong.guards_ok
+    assert all("altered" in line for line in wrong.failures)
+
+
+@pytest.mark.parametrize(("fault", "says"), [
+    ("drop", "frame 3 dropped"),
+    ("reorder", "frame 3 reordered"),
+    ("alter", "frame 3 altered"),
+])
+def test_a_faulty_server_fails_the_guard_and_says_which(faulty_echo, fault, says):
+    server = faulty_echo(fault)
+    result = run_load(_spec(server.url, sessions=2, concurrency=2))
+    assert not result.guards_ok
+    assert len(result.failures) == 2  # every session saw the fault
+    for line in result.failures:
+        assert says in line, line
+
+
+def test_the_bare_echo_floor_passes_and_reports_its_cost():
+    floor = Server("echo floor", "echo", []).start(pin=False)
+    try:
+        result = run_load(_spec(floor.url, paced=False))
+    finally:
+        floor.stop()
+    assert result.guards_ok, result.failures
+    assert result.server is not None and result.server.frames == 6 * 12
+    assert result.server.cpu_s > 0
+
+
+def test_refused_sessions_are_guard_failures(server_factory):
+    server = server_factory("--max-sessions", "1")
+    result = run_load(_spec(server.ws(), sessions=3, concurrency=3))
+    assert not result.guards_ok
+    assert any("server_unavailable" in line or "could not open" in line for line in result.failures)
+
+
+def test_loadgen_command_prints_writes_json_and_plots(echo_server, tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexserve", "loadgen", echo_server.ws(), "-c", "2,3", "-n", "1x",
+         "--frames", "6", "--message-ms", "160", "--no-progress", "--json", str(out),
+         "--plots", str(tmp_path / "img")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loadgen summary" in proc.stdout and "ceiling" in proc.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"]["concurrency"] for r in runs] == [2, 3]
+    assert all(r["summary"]["guards_ok"] for r in runs)
+    for name in ("latency_cdf.png", "rtf_per_session.png", "sweep.png"):
+        assert (tmp_path / "img" / name).stat().st_size > 1000
