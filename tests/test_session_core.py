@@ -132,7 +132,7 @@ def test_synthetic_echo_with_delay_keeps_slots_apart():
     slots = np.array([0, 2])
     a = e.step(slots, np.stack([np.full(F, 1, np.float32), np.full(F, 2, np.float32)]))
     b = e.step(slots, np.stack([np.full(F, 3, np.float32), np.full(F, 4, np.float32)]))
-    assert not a.audio.any() and a.text == {0: "hello", 1: "hello"}
+    assert not a.audio.any() and a.text == {0: " hello", 1: " hello"}
     assert b.audio[:, 0].tolist() == [1, 2] and b.text == {}
     e.open(2, {})  # a new occupant starts fresh
     c = e.step(np.array([2]), np.full((1, F), 5, np.float32))

@@ -17,7 +17,7 @@ import numpy as np
 from duplexserve.engine_bridge.engine import Engine, StepResult
 
 FAIL_MARK = np.float32(1e30)
-WORDS = ("hello", " from", " the", " duplex", " echo", " engine.")
+WORDS = (" hello", " from", " the", " duplex", " echo", " engine.")
 
 
 class SyntheticEngine(Engine):
