@@ -84,6 +84,11 @@ class MoshiDriver(ClientDriver):
             sink.on_error("moshi_error", message, True)
             self._fail_open(f"server refused: {message}")
 
+    def on_text(self, text: str, now: float) -> None:
+        self.sink.on_error(
+            "unexpected_text", f"the Moshi protocol has no text messages: {text[:80]!r}", False
+        )
+
     def on_close(self, code: int | None, reason: str) -> None:
         self._fail_open(f"closed with {code} before the handshake")
         super().on_close(code, reason)

@@ -133,6 +133,11 @@ class RealtimeDriver(ClientDriver):
             sink.on_error(str(error.get("code")), str(error.get("message")), False)
             self._fail_open(f"server refused: {error.get('code')}: {error.get('message')}")
 
+    def on_binary(self, data: bytes, now: float) -> None:
+        self.sink.on_error(
+            "unexpected_binary", f"a {len(data)}-byte binary message: Realtime is JSON only", False
+        )
+
     def on_close(self, code: int | None, reason: str) -> None:
         self._fail_open(f"closed with {code} before session.updated")
         super().on_close(code, reason)
