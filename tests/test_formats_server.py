@@ -206,11 +206,13 @@ def test_executor_submissions_zero_for_native_counted_for_transcoding(server_fac
                    (AudioFormat("g711_ulaw", 8000), AudioFormat("pcm_f32le", 48000))]:
         hops, res, _ = run_session(*inline)
         assert hops == 0 and len(res.frames) == 15
+    assert metric(server, "codec_processes_cpu_seconds") == 0  # no Opus yet: no worker started
     # Opus in a codec process, 192 kHz on the thread pool: one hop per message in, per frame out.
     for offloaded in [(AudioFormat("opus"), AudioFormat("opus")),
                       (AudioFormat("pcm_s16le", 192000), AudioFormat("pcm_f32le", 192000))]:
         hops, res, n_messages = run_session(*offloaded)
         assert hops == n_messages + len(res.frames)
+    assert metric(server, "codec_processes_cpu_seconds") > 0  # the workers' CPU is reported
 
 
 def test_opus_inline_without_codec_processes(server_factory):

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import socket
 import struct
 import subprocess
@@ -175,6 +176,14 @@ class CodecProcesses:
         self.size = size
         self._workers: list[_Worker] = []
         self._next_id = 0
+        self._cpu_seen: dict[int, float] = {}  # pid -> CPU seconds when last read
+
+    def cpu_seconds(self) -> float:
+        """CPU time of every worker started so far (user + system), for /metrics."""
+        for worker in self._workers:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                self._cpu_seen[worker.proc.pid] = _process_cpu(worker.proc.pid)
+        return sum(self._cpu_seen.values())
 
     @property
     def enabled(self) -> bool:
@@ -202,9 +211,16 @@ class CodecProcesses:
         return RemoteOpusEncoder(*self._open(OP_OPEN_ENCODER))
 
     def close(self) -> None:
+        self.cpu_seconds()
         for worker in self._workers:
             worker.close()
         self._workers.clear()
+
+
+def _process_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _release(worker: _Worker, cid: int) -> None:

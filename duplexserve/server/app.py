@@ -23,7 +23,7 @@ from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server.connection import Connection, Receive, Scope, Send
-from duplexserve.server.metrics import Metrics
+from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.moshi_chat import MoshiConnection
 from duplexserve.server.native import NativeConnection
 from duplexserve.server.orchestrator import Orchestrator
@@ -58,6 +58,7 @@ class DuplexApp:
         self.orchestrator.on_step = self.metrics.observe_step
         self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
         self.codec_procs = CodecProcesses(config.codec_processes)
+        self.metrics.registry.register(CodecProcessesCollector(self.codec_procs.cpu_seconds))
         self.http = self._http_app()
 
     @contextlib.asynccontextmanager

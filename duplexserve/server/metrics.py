@@ -7,7 +7,7 @@ Histograms are observed once per engine step, on the engine thread.
 from __future__ import annotations
 
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -63,6 +63,19 @@ class ServerCollector(Collector):
         yield CounterMetricFamily(
             "duplexserve_cpu_seconds", "process CPU time, user + system",
             value=usage.ru_utime + usage.ru_stime,
+        )
+
+
+class CodecProcessesCollector(Collector):
+    """CPU of the Opus codec worker processes, which ``duplexserve_cpu_seconds`` leaves out."""
+
+    def __init__(self, cpu_seconds: Callable[[], float]) -> None:
+        self.cpu_seconds = cpu_seconds
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "duplexserve_codec_processes_cpu_seconds", "codec worker processes CPU time, user + system",
+            value=self.cpu_seconds(),
         )
 
 
