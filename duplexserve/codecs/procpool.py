@@ -5,7 +5,8 @@ event loop; in a process it runs on another core. Each worker is a child process
 (``worker.py``) behind a Unix socket pair. A session's codec lives in one worker, chosen
 when it opens (the one with the fewest open codecs), and all its requests go there; the
 worker answers in the order it was asked, so replies are matched to waiting futures by
-order alone. On the loop side a request is one ``sendmsg`` and replies are read by a
+order alone. On the loop side the requests made in one loop iteration (every session's
+encode after an engine step, say) leave in one ``sendmsg``, and replies are read by a
 reader callback that drains whatever has arrived, so a busy loop reads many per wake-up.
 
 Wire layout, little-endian: request ``u8 op, u32 codec id, u32 length, payload``;
@@ -36,6 +37,7 @@ REPLY = struct.Struct("<BI")
 OP_OPEN_DECODER, OP_OPEN_ENCODER, OP_DECODE, OP_ENCODE, OP_CLOSE = range(5)
 OK, FORMAT_ERROR, FAILED = range(3)
 _SOCKET_BUFFER = 4 << 20
+_MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -64,26 +66,41 @@ class _Worker:
         self.open_codecs = 0
         self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._unsent: collections.deque[bytes] = collections.deque()
+        self._batch: list[bytes | memoryview] = []  # requests of this loop iteration, not yet sent
         self._rbuf = bytearray()
         loop.add_reader(self.fd, self._on_readable)
 
     def request(self, op: int, cid: int, payload: bytes | memoryview = b"") -> None:
+        """Queue a request; every request queued in one loop iteration leaves in one sendmsg."""
         if not self.alive:
             raise CodecProcessError("codec worker is gone")
-        header = REQUEST.pack(op, cid, len(payload))
-        if self._unsent:  # already backed up: queue behind, in order
-            self._unsent.append(header + bytes(payload))
+        batch = self._batch
+        batch.append(REQUEST.pack(op, cid, len(payload)))
+        if payload:
+            batch.append(payload)
+        if len(batch) <= 2:
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if not self.alive or not batch:
             return
-        total = len(header) + len(payload)
+        if self._unsent or len(batch) > _MAX_IOV:
+            data = b"".join(batch)
+            if self._unsent:  # already backed up: queue behind, in order
+                self._unsent.append(data)
+                return
+            batch = [data]
+        total = sum(len(b) for b in batch)
         try:
-            sent = self.sock.sendmsg([header, payload])
+            sent = self.sock.sendmsg(batch)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self._fail(CodecProcessError(f"codec worker is gone: {exc}"))
-            raise CodecProcessError("codec worker is gone") from None
+            return
         if sent < total:
-            self._unsent.append((header + bytes(payload))[sent:])
+            self._unsent.append(b"".join(batch)[sent:])
             self.loop.add_writer(self.fd, self._on_writable)
 
     async def call(self, op: int, cid: int, payload: bytes | memoryview) -> bytes:

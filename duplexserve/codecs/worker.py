@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import socket
 import sys
+import time
 
 import numpy as np
 
 from duplexserve.codecs import procpool as pp
 from duplexserve.codecs.formats import FormatError
 from duplexserve.codecs.opus import OpusStreamDecoder, OpusStreamEncoder
+
+_FLUSH_AFTER_S = 0.001
 
 
 def serve(sock: socket.socket) -> None:
@@ -30,6 +33,8 @@ def serve(sock: socket.socket) -> None:
             return
         buf += chunk
         pos = 0
+        replies: list[bytes] = []
+        since = time.perf_counter()
         while len(buf) - pos >= hdr:
             op, cid, length = pp.REQUEST.unpack_from(buf, pos)
             if len(buf) - pos - hdr < length:
@@ -39,7 +44,14 @@ def serve(sock: socket.socket) -> None:
             reply = _handle(codecs, op, cid, payload)
             if reply is not None:
                 status, body = reply
-                sock.sendall(pp.REPLY.pack(status, len(body)) + body)
+                replies += (pp.REPLY.pack(status, len(body)), body)
+                # Answer in batches (fewer wake-ups of the loop), but never hold a reply
+                # back for more than about a millisecond of work.
+                if time.perf_counter() - since > _FLUSH_AFTER_S:
+                    sock.sendall(b"".join(replies))
+                    replies, since = [], time.perf_counter()
+        if replies:
+            sock.sendall(b"".join(replies))
         del buf[:pos]
 
 
