@@ -161,7 +161,7 @@ def test_kyutai_like_client_gets_audio_and_text_back(moshi_server):
     assert len(got) >= len(sent) - FRAME
     # The echo engine returns what it heard: through two Opus codecs, the same waveform.
     assert_same_voice(sent, got)
-    assert "".join(res.text).startswith("hello from")
+    assert "hello from" in "".join(res.text)  # the synthetic engine's words
     assert res.errors == []
 
 

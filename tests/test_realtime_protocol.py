@@ -191,7 +191,7 @@ def test_openai_sdk_streams_audio_and_gets_one_response_per_stretch_of_speech(rt
     assert audio_of(group) == speech + silence(SILENCE_FRAMES)
     assert group[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 10 + SILENCE_FRAMES
     transcript = group[-1]["response"]["output"][0]["content"][0]["transcript"]
-    assert transcript.startswith("hello")
+    assert "hello" in transcript
 
 
 def test_cancel_silences_the_current_stretch_and_the_next_one_opens_a_new_response(rt_server):

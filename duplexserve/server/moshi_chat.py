@@ -93,7 +93,11 @@ class MoshiConnection(Connection):
             return False
         if not await self.open_session(params):
             return False
-        self.decoder, self.encoder = make_decoder(OPUS), make_encoder(OPUS)
+        # Opus holds the GIL: with --codec-processes it runs in a codec worker process.
+        self.decoder, self.encoder = (
+            make_decoder(OPUS, self.codec_procs),
+            make_encoder(OPUS, self.codec_procs),
+        )
         await self.accept()
         await self.send_bytes(HANDSHAKE)
         return True

@@ -124,9 +124,9 @@ class RealtimeConnection(Connection):
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}_{self._id_base}_{next(self._event_ids)}"
 
-    @staticmethod
-    def _codecs(inp: str, out: str) -> tuple[Decoder, Encoder]:
-        return make_decoder(ev.GA_FORMATS[inp]), make_encoder(ev.GA_FORMATS[out])
+    def _codecs(self, inp: str, out: str) -> tuple[Decoder, Encoder]:
+        procs = self.codec_procs
+        return make_decoder(ev.GA_FORMATS[inp], procs), make_encoder(ev.GA_FORMATS[out], procs)
 
     # ---------------------------------------------------------------- incoming
     async def on_binary(self, data: bytes) -> None:
