@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import urllib.parse
 
 import numpy as np
@@ -220,3 +222,36 @@ def test_opus_inline_without_codec_processes(server_factory):
     before = metric(server, "executor_submissions")
     asyncio.run(stream(server, AudioFormat("opus"), AudioFormat("opus"), seed=5))
     assert metric(server, "executor_submissions") == before  # sphn runs on the loop, no hop
+
+
+def test_a_dead_codec_worker_ends_its_sessions_and_the_server_goes_on(server_factory):
+    server = server_factory("--codec-processes", "1")
+    inp = out = AudioFormat("opus")
+    messages = wire_messages(speechlike(MODEL_RATE, seed=9, seconds=2.0), inp, 80)
+
+    async def scenario():
+        async with websockets.connect(server.ws(query=query(inp, out)), compression=None) as ws:
+            await ws.recv()
+            for m in messages[:4]:
+                await ws.send(m)
+            answers = 0
+            while answers < 4:  # the worker is up and serving this session
+                answers += isinstance(await asyncio.wait_for(ws.recv(), 10), bytes)
+            with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+                workers = [int(pid) for pid in f.read().split()]
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            events = []
+            with contextlib.suppress(websockets.ConnectionClosed):
+                for m in messages[4:]:
+                    await ws.send(m)
+                while True:
+                    msg = await asyncio.wait_for(ws.recv(), 10)
+                    if isinstance(msg, str):
+                        events.append(json.loads(msg))
+            return events, ws.close_code
+
+    events, code = asyncio.run(scenario())
+    closed = [e for e in events if e.get("type") == "session.closed"]
+    assert code == 1011 and closed and closed[0]["reason"] == "internal_error"
+    asyncio.run(stream(server, inp, out, seed=10))  # a new worker serves the next session
