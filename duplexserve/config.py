@@ -58,6 +58,17 @@ class ServerConfig:
     moshi_seed: int = _opt(0, "moshi engine: seed of the random weights and of sampling")
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
+    vllm_omni_model: str = _opt("", "vllm-omni engine: model (HF id or local path) DuplexOmniEngine serves")
+    vllm_omni_deploy_config: str = _opt("", "vllm-omni engine: deploy YAML (session_mode: duplex)")
+    vllm_omni_args: str = _opt("", "vllm-omni engine: JSON object of further DuplexOmni keyword arguments")
+    vllm_omni_session: str = _opt(
+        "", "vllm-omni engine: JSON object merged into every session's Realtime session payload"
+    )
+    vllm_omni_input_rate: int = _opt(24000, "vllm-omni engine: the rate the model takes pcm_f32le at")
+    vllm_omni_standin: bool = _opt(
+        False, "vllm-omni engine, tests and benchmarks: vLLM-Omni's real engine on the CPU, model stood in "
+        "by an echo (docs/vllm-omni.md)"
+    )
     engine_process: bool = _opt(
         False, "run the engine in a process of its own (shared memory), so its Python never holds the "
         "server's GIL"
@@ -156,6 +167,11 @@ class ServerConfig:
             raise ValueError("max_pending_frames and max_output_frames must be at least 1")
         if self.delay_frames < 0 or self.text_every < 0:
             raise ValueError("delay_frames and text_every cannot be negative")
+        if self.engine == "vllm-omni" and not (self.vllm_omni_model or self.vllm_omni_standin):
+            raise ValueError("--engine vllm-omni needs --vllm-omni-model (or --vllm-omni-standin)")
+        if self.engine == "vllm-omni" and self.engine_process:
+            raise ValueError("--engine vllm-omni runs its own orchestrator thread and processes: "
+                             "--engine-process does not apply")
         if self.codec_threads < 1 or self.codec_processes < 0:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
 

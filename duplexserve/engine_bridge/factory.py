@@ -12,6 +12,10 @@ def build_engine(config: ServerConfig) -> Engine:
         from duplexserve.engine_bridge.process_engine import ProcessEngine
 
         return ProcessEngine(config)  # builds the engine below in its own process
+    if config.engine == "vllm-omni":
+        from duplexserve.engine_bridge.vllm_omni_setup import vllm_omni_engine_from_config
+
+        return vllm_omni_engine_from_config(config)
     if config.engine == "moshi":
         from duplexserve.engine_bridge.moshi_engine import moshi_engine_from_config
 

@@ -1,0 +1,156 @@
+"""``duplexserve serve --engine vllm-omni`` over real sockets, on every protocol it speaks.
+
+The server process hosts vLLM-Omni's real duplex engine with the model stood in by an
+echo (``--vllm-omni-standin``); clients are the same ones the other protocol tests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.vllm_omni.conftest import SKIP_REASON
+
+pytest.importorskip("vllm_omni", reason=SKIP_REASON)
+
+from tests import test_moshi_protocol as moshi
+from tests import test_realtime_protocol as rt
+from tests.conftest import ServerProcess, start_server
+from tests.native_client import converse
+
+FRAME = 1920
+
+
+def wait_ready(server: ServerProcess, timeout: float = 180.0) -> None:
+    """/health answers at once; /ready once vLLM-Omni's engine is up (its import alone is ~15 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(server.http + "/ready", timeout=2).status_code == 200:
+            return
+        assert server.proc.poll() is None, server.log()
+        time.sleep(0.2)
+    raise AssertionError("vllm-omni engine did not become ready:\n" + server.log())
+
+
+@pytest.fixture(scope="module")
+def vo_server(tmp_path_factory):
+    server = start_server(
+        str(tmp_path_factory.mktemp("vo")),
+        "--engine",
+        "vllm-omni",
+        "--vllm-omni-standin",
+        "--max-sessions",
+        "16",
+        "--api-keys",
+        rt.KEY,
+        "--allowed-origins",
+        "",
+    )
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        server.stop()
+
+
+def grid_frames(n: int, seed: int) -> np.ndarray:
+    """Float32 samples on the 16-bit grid, which vLLM-Omni's pcm16 output returns exactly."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(-16000, 16000, n * FRAME) / 32768).astype(np.float32)
+
+
+def test_native_sessions_get_every_frame_back_in_order(vo_server):
+    sessions, n = 8, 30
+    url = vo_server.ws(query=f"token={rt.KEY}")
+    before = vo_server.metrics()
+
+    async def go():
+        sent = [grid_frames(n, seed) for seed in range(sessions)]
+        # 160 ms messages, as the RTF workload sends them: the server cuts 80 ms frames
+        msgs = [[pcm[i : i + 2 * FRAME].tobytes() for i in range(0, len(pcm), 2 * FRAME)] for pcm in sent]
+        results = await asyncio.gather(*(converse(url, m) for m in msgs))
+        return sent, results
+
+    sent, results = asyncio.run(go())
+    for pcm, res in zip(sent, results, strict=True):
+        assert res.created["engine"] == "vllm-omni"
+        assert b"".join(res.frames) == pcm.tobytes()  # the echo, through vLLM-Omni, bit-exact
+        assert all(len(f) == FRAME * 4 for f in res.frames)
+        assert [(e["frame"], e["text"]) for e in res.of_type("text.delta")] == [
+            (i, f"w{i + 1}") for i in range(4, n, 5)
+        ]
+        assert res.closed == {
+            "type": "session.closed",
+            "reason": "completed",
+            "frames_in": n,
+            "frames_out": n,
+            "frames_dropped": 0,
+        }
+        assert res.of_type("error") == []
+    after = vo_server.metrics()
+    frames = sessions * n
+    assert after["duplexserve_queue_fast_puts_total"] - before["duplexserve_queue_fast_puts_total"] == frames
+    # one hop per control operation (open, close), none per frame
+    hops = after["duplexserve_executor_submissions_total"] - before["duplexserve_executor_submissions_total"]
+    assert hops == 2 * sessions
+
+
+def test_moshi_clients_hear_their_voice_back_with_the_models_text(vo_server):
+    sent = moshi.voice(25)
+    res = asyncio.run(moshi.converse(vo_server.ws("/api/chat", f"token={rt.KEY}&" + moshi.WEB_QUERY), sent))
+    moshi.assert_same_voice(sent, res.pcm)
+    assert "".join(res.text).startswith("w5")
+    assert res.errors == []
+
+
+def test_openai_realtime_clients_get_a_response_with_the_echo(vo_server):
+    speech = rt.tone(10, seed=1)
+
+    async def plan(conn, events):
+        for b64 in rt.chunks(speech + rt.silence(rt.SILENCE_FRAMES + 2)):
+            await conn.input_audio_buffer.append(audio=b64)
+
+    events = asyncio.run(
+        rt.sdk_session(vo_server.http + "/v1", plan, lambda ev: "response.done" in rt.kinds(ev))
+    )
+    (group,) = rt.responses(events)
+    rt.check_order(group)
+    assert rt.audio_of(group) == speech + rt.silence(rt.SILENCE_FRAMES)  # pcm16 in, pcm16 out, exact
+    transcript = group[-1]["response"]["output"][0]["content"][0]["transcript"]
+    assert transcript.startswith("w5")
+
+
+def test_a_session_refused_by_vllm_omni_is_told_so(tmp_path):
+    # duplexserve has two slots, vLLM-Omni's deployment admits one session.
+    server = start_server(
+        str(tmp_path),
+        "--engine",
+        "vllm-omni",
+        "--vllm-omni-standin",
+        "--max-sessions",
+        "2",
+        "--vllm-omni-args",
+        json.dumps({"max_sessions": 1}),
+        "--vllm-omni-session",
+        json.dumps({"instructions": "be brief"}),
+    )
+    try:
+        wait_ready(server)
+
+        async def go():
+            first = asyncio.create_task(converse(server.ws(), [grid_frames(40, 1).tobytes()], gap=0.5))
+            await asyncio.sleep(0.3)
+            second = await converse(server.ws(), [grid_frames(1, 2).tobytes()])
+            return await first, second
+
+        first, second = asyncio.run(go())
+        assert first.closed["reason"] == "completed"
+        assert [e["code"] for e in second.of_type("error")] == ["resource_exhausted"]
+        assert second.closed["reason"] == "resource_exhausted" and second.close_code == 1013
+    finally:
+        server.stop()
