@@ -28,6 +28,7 @@ import base64
 import importlib.util
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -53,6 +54,7 @@ from vllm_omni.engine.duplex.plugin import (
 from vllm_omni.engine.duplex_omni_engine import DuplexOmniEngine
 from vllm_omni.engine.duplex_orchestrator import DuplexOrchestrator, DuplexOrchestratorRequestState
 from vllm_omni.engine.orchestrator import OrchestratorBase, StreamingSegmentState
+from vllm_omni.engine.stage_runtime import StageRuntimeInfo
 from vllm_omni.outputs import OmniRequestOutput
 
 from duplexserve.engine_bridge.vllm_omni_setup import STANDIN_MODEL
@@ -245,11 +247,27 @@ class StandInPlugin(DuplexModelPlugin):
 
 
 # ----------------------------------------------------------- orchestrator side
+class CountingExecutor(ThreadPoolExecutor):
+    """A thread pool that counts its submissions (the executor hops a benchmark reports)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.submissions = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.submissions += 1  # from one loop thread at a time; a benchmark count, not a lock
+        return super().submit(fn, *args, **kwargs)
+
+
 class StandInOrchestrator(DuplexOrchestrator):
     """``DuplexOrchestrator`` whose stage port answers appends with an echo step."""
 
     def __init__(self, *args: Any, step_ms: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # The session runners' shared pool (4 workers, as shipped), counted.
+        shipped = self.session_manager.executor
+        self.session_manager.executor = CountingExecutor(max_workers=4, thread_name_prefix="duplex-session")
+        shipped.shutdown(wait=False)
         self._step_ms = step_ms
         self._pending: list[tuple[str, dict[str, object]]] = []
         self._step_scheduled = False
@@ -372,6 +390,15 @@ class StandInDuplexOmniEngine(DuplexOmniEngine):
         self.stage_clients = [pool.stage_client]
         self.stage_vllm_configs = [None]
         self.default_sampling_params_list = [pool.stage_client.default_sampling_params]
+        self.stage_metadata = [
+            StageRuntimeInfo(final_output=True, final_output_type="audio", stage_type="llm", model_stage=None)
+        ]
+
+    @property
+    def engine_executor_submissions(self) -> int:
+        """Thread-pool hops inside vLLM-Omni's session runners (its conversion and VAD offloads)."""
+        orchestrator = getattr(self, "orchestrator", None)
+        return orchestrator.session_manager.executor.submissions if orchestrator is not None else 0
 
     def _detect_pd_config(self) -> None:
         return None

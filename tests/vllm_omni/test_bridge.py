@@ -13,16 +13,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-import pytest
 
-from tests.vllm_omni.conftest import SKIP_REASON
+from tests.vllm_omni.conftest import require_vllm_omni
 
-pytest.importorskip("vllm_omni", reason=SKIP_REASON)
+require_vllm_omni()
 
-from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniBridge
-from duplexserve.engine_bridge.vllm_omni_setup import session_payload, standin_builder
-from duplexserve.engine_bridge.vllm_omni_standin import MODEL_NAME
-from duplexserve.server import errors
+from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniBridge  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni_setup import session_payload, standin_builder  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni_standin import MODEL_NAME  # noqa: E402
+from duplexserve.server import errors  # noqa: E402
 
 FRAME = 1920
 
@@ -223,11 +222,11 @@ def test_vllm_omni_refusals_and_closes_become_session_errors():
     async def go():
         async with bridge(max_sessions=1) as (b, out):
             b.open(0, 1, {})
+            await out.wait(lambda: b.session_of(0) is not None)
             b.open(1, 1, {})  # vLLM-Omni admits one: the second is refused, try again later
             await out.wait(lambda: out.issues)
             assert out.issues == [(1, "resource_exhausted", errors.TRY_AGAIN)]
             # vLLM-Omni closes a session on its own (here through its control path directly)
-            await out.wait(lambda: b.session_of(0) is not None)
             await b.engine.close_session_async(b.session_of(0)[0], reason="shutdown")
             await out.wait(lambda: len(out.issues) == 2)
             assert out.issues[1] == (0, "server_shutdown", errors.GOING_AWAY)

@@ -13,15 +13,16 @@ import time
 import httpx
 import numpy as np
 import pytest
+import websockets
 
-from tests.vllm_omni.conftest import SKIP_REASON
+from tests.vllm_omni.conftest import require_vllm_omni
 
-pytest.importorskip("vllm_omni", reason=SKIP_REASON)
+require_vllm_omni()
 
-from tests import test_moshi_protocol as moshi
-from tests import test_realtime_protocol as rt
-from tests.conftest import ServerProcess, start_server
-from tests.native_client import converse
+from tests import test_moshi_protocol as moshi  # noqa: E402
+from tests import test_realtime_protocol as rt  # noqa: E402
+from tests.conftest import ServerProcess, start_server  # noqa: E402
+from tests.native_client import converse  # noqa: E402
 
 FRAME = 1920
 
@@ -143,13 +144,17 @@ def test_a_session_refused_by_vllm_omni_is_told_so(tmp_path):
         wait_ready(server)
 
         async def go():
-            first = asyncio.create_task(converse(server.ws(), [grid_frames(40, 1).tobytes()], gap=0.5))
-            await asyncio.sleep(0.3)
-            second = await converse(server.ws(), [grid_frames(1, 2).tobytes()])
-            return await first, second
+            async with websockets.connect(server.ws(), max_size=None) as first:
+                assert json.loads(await first.recv())["type"] == "session.created"
+                await first.send(grid_frames(1, 1).tobytes())
+                assert isinstance(await first.recv(), bytes)  # an answer: its vLLM-Omni session is open
+                second = await converse(server.ws(), [grid_frames(1, 2).tobytes()])
+                await first.send(json.dumps({"type": "input.end"}))
+                closed = [json.loads(m) for m in [await first.recv()] if isinstance(m, str)]
+            return closed, second
 
-        first, second = asyncio.run(go())
-        assert first.closed["reason"] == "completed"
+        closed, second = asyncio.run(go())
+        assert closed[0]["type"] == "session.closed" and closed[0]["reason"] == "completed"
         assert [e["code"] for e in second.of_type("error")] == ["resource_exhausted"]
         assert second.closed["reason"] == "resource_exhausted" and second.close_code == 1013
     finally:
