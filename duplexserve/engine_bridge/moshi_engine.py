@@ -1,0 +1,318 @@
+"""The real engine: Kyutai's Mimi codec and multistream LM, one batched streaming state.
+
+Every session is a slot of one ``streaming_forever(num_slots)`` state of Mimi and of
+``LMGen``; a step runs Mimi encode, one LM step and Mimi decode over all slots at once,
+always at the full batch size so that the shapes never change and the library's CUDA
+graphs replay. Slots without a frame this step are masked with ``set_exec_mask``
+(their state does not move); a slot is reset with ``reset_streaming(mask)`` when a
+session opens in it, so nothing of the previous occupant survives.
+
+The LM answers with a delay (``max(delays)`` frames: 1 for Moshi, 2 for Hibiki). With
+``support_out_of_sync`` each slot keeps its own clock, and the rows still inside
+their delay come back as "ungenerated": those rows get silence and their Mimi
+decoder does not run, so input frame i is always answered by output frame i and the
+model's first real audio is output frame ``delay_frames``.
+
+torch and moshi are imported in ``start()``, on the engine thread, so the server
+imports neither unless this engine is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from duplexserve.config import ServerConfig
+from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.moshi_presets import get_preset, resolve_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """LMGen's sampling; one setting for the whole batch (the library samples batched)."""
+
+    greedy: bool = False
+    temp: float = 0.8
+    temp_text: float = 0.7
+    top_k: int = 250
+    top_k_text: int = 25
+
+
+class MoshiEngine(Engine):
+    name = "moshi"
+
+    def __init__(
+        self,
+        num_slots: int,
+        preset: str = "tiny",
+        weights: str = "",
+        tokenizer: str = "",
+        device: str = "auto",
+        dtype: str = "auto",
+        context: int = 0,
+        sampling: Sampling | None = None,
+        seed: int = 0,
+        threads: int = 0,
+        cuda_graphs: bool = True,
+    ) -> None:
+        super().__init__(num_slots)
+        self.preset = get_preset(preset) if not weights else None
+        self.weights = resolve_weights(weights, tokenizer or None) if weights else None
+        self.tokenizer_path = tokenizer or (self.weights.tokenizer if self.weights else None)
+        self.device_name = device
+        self.dtype_name = dtype
+        self.context = context
+        self.sampling = sampling or Sampling()
+        self.seed = seed
+        self.threads = threads
+        self.cuda_graphs = cuda_graphs
+        lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
+        self.delay_frames = max((lm_config or {"delays": [0, 1]})["delays"])
+        self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
+        self._reset = np.zeros(num_slots, dtype=bool)  # slots to reset before the next step
+        self._exec = np.zeros(num_slots, dtype=bool)
+        self._decode = np.zeros(num_slots, dtype=bool)
+        self.timings = {"steps": 0, "step_s": 0.0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the library may never reach a hub
+        if not self.cuda_graphs:
+            os.environ["NO_CUDA_GRAPH"] = "1"
+        import torch
+        from moshi.models import LMGen, loaders
+        from moshi.utils.compile import no_compile
+
+        self._torch = torch
+        if self.device_name == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device_name)
+        self.device = device
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        dtype = {
+            "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "float32": torch.float32,
+        }[self.dtype_name]
+        torch.manual_seed(self.seed)
+        started = time.perf_counter()
+        if self.preset is not None:
+            lm_kwargs = dict(self.preset.lm)
+            if self.context:
+                lm_kwargs["context"] = self.context
+            codebooks = self.preset.codebooks
+            mimi = loaders.get_mimi(None, self.preset.mimi, device=device, num_codebooks=codebooks)
+            lm = loaders.get_moshi_lm(None, lm_kwargs=lm_kwargs, device=device, dtype=dtype)
+            _calibrate_codebooks(mimi)
+        else:
+            w = self.weights
+            assert w is not None
+            overrides = {"context": self.context} if self.context else {}
+            mimi = loaders.get_mimi(w.mimi, w.mimi_config, device=device, num_codebooks=w.codebooks)
+            lm = loaders.get_moshi_lm(
+                w.lm, lm_kwargs=w.lm_config, device=device, dtype=dtype, lm_kwargs_overrides=overrides
+            )
+            if w.model_type == "hibiki":  # as moshi's CheckpointInfo does: an early EOS reads as PAD
+                lm.text_emb.weight.data[2] = lm.text_emb.weight.data[3]
+        self.tokenizer = None
+        if self.tokenizer_path:
+            import sentencepiece
+
+            self.tokenizer = sentencepiece.SentencePieceProcessor(str(self.tokenizer_path))
+        self.delay_frames = max(lm.delays)
+        self._skip_text = (lm.existing_text_padding_id, lm.existing_text_end_padding_id)
+        s = self.sampling
+        self.lm_gen = LMGen(
+            lm,
+            use_sampling=not s.greedy,
+            temp=s.temp,
+            temp_text=s.temp_text,
+            top_k=s.top_k,
+            top_k_text=s.top_k_text,
+            support_out_of_sync=True,  # one clock per slot: a reset never stalls the others
+        )
+        self.mimi = mimi
+        self._no_compile = no_compile if device.type != "cuda" else contextlib.nullcontext
+        self._allocate(self.num_slots)
+        log.info(
+            "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s",
+            self.preset.name if self.preset else self.weights,
+            device,
+            self.num_slots,
+            self.delay_frames,
+            time.perf_counter() - started,
+        )
+
+    def _allocate(self, b: int) -> None:
+        """Streaming state for ``b`` slots, host/device buffers, then warm-up (graph capture)."""
+        torch = self._torch
+        n = self.frame_samples
+        self.num_slots = b
+        self._steps = np.zeros(b, dtype=np.int64)
+        self._reset = np.zeros(b, dtype=bool)
+        self._exec = np.zeros(b, dtype=bool)
+        self._decode = np.zeros(b, dtype=bool)
+        pin = self.device.type == "cuda"
+        self._in_host = torch.zeros((b, 1, n), dtype=torch.float32, pin_memory=pin)
+        self._in_np = self._in_host.numpy()[:, 0, :]
+        self._in_dev = self._in_host.to(self.device) if pin else self._in_host
+        self._out_host = torch.zeros((b, n), dtype=torch.float32, pin_memory=pin)
+        self._out_np = self._out_host.numpy()
+        self._text_host = torch.zeros(b, dtype=torch.long, pin_memory=pin)
+        self._text_np = self._text_host.numpy()
+        with torch.no_grad():
+            self.mimi.streaming_forever(b)
+            self.lm_gen.streaming_forever(b)
+        self._warm_up()
+
+    def resize(self, num_slots: int) -> None:
+        """Rebuild the streaming state for another slot count, keeping the weights (the
+        step-time benchmark sweeps batch sizes with it; the server never resizes)."""
+        import gc
+
+        for module in (self.mimi, self.lm_gen, self.lm_gen.lm_model):
+            module._stop_streaming()
+        gc.collect()  # the old states and their CUDA graphs hold memory until collected
+        if self.device.type == "cuda":
+            self._torch.cuda.empty_cache()
+        self._allocate(num_slots)
+
+    def _warm_up(self) -> None:
+        """Run full steps until the CUDA graphs are captured and replayed, then reset every slot."""
+        everyone = np.arange(self.num_slots)
+        silence = np.zeros((self.num_slots, self.frame_samples), np.float32)
+        for _ in range(self.delay_frames + 3):
+            self.step(everyone, silence)
+        self._reset[:] = True
+        self._steps[:] = 0
+        self.timings = {"steps": 0, "step_s": 0.0}
+
+    def open(self, slot: int, params: dict[str, Any]) -> None:
+        self._reset[slot] = True
+        self._steps[slot] = 0
+
+    def close(self, slot: int) -> None:
+        self._steps[slot] = 0  # its state stays until the next open resets it
+
+    # ----------------------------------------------------------------------- step
+    def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
+        torch = self._torch
+        started = time.perf_counter()
+        with torch.no_grad(), self._no_compile():
+            if self._reset.any():
+                mask = torch.from_numpy(self._reset)
+                self.mimi.reset_streaming(mask)
+                self.lm_gen.reset_streaming(mask)
+                self._reset[:] = False
+            exec_mask = self._exec
+            exec_mask[:] = False
+            exec_mask[slots] = True
+            self._in_np[slots] = frames
+            if self._in_dev is not self._in_host:
+                self._in_dev.copy_(self._in_host, non_blocking=True)
+            mask_t = torch.from_numpy(exec_mask)
+            self.mimi.set_exec_mask(mask_t)
+            self.lm_gen.set_exec_mask(mask_t)
+            codes = self.mimi.encode(self._in_dev)
+            tokens = self.lm_gen.step(codes)
+            assert tokens is not None  # support_out_of_sync: never None
+            steps = self._steps[slots] + 1
+            self._steps[slots] = steps
+            ready = steps > self.delay_frames  # rows past the model's delay
+            decode = self._decode
+            decode[:] = False
+            decode[slots[ready]] = True
+            if ready.any():
+                self.mimi.set_exec_mask(torch.from_numpy(decode))
+                pcm = self.mimi.decode(tokens[:, 1:].clamp(min=0))
+                self._out_host.copy_(pcm[:, 0], non_blocking=True)
+            self._text_host.copy_(tokens[:, 0, 0], non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        audio = self._out_np[slots]  # fancy indexing: a copy, the buffers are reused
+        audio[~ready] = 0.0
+        text = self._text(slots, ready) if self.tokenizer is not None else {}
+        self.timings["steps"] += 1
+        self.timings["step_s"] += time.perf_counter() - started
+        return StepResult(audio, text)
+
+    def _text(self, slots: np.ndarray, ready: np.ndarray) -> dict[int, str]:
+        ids = self._text_np[slots]
+        rows = np.flatnonzero(ready & (ids != self._skip_text[0]) & (ids != self._skip_text[1]))
+        assert self.tokenizer is not None
+        vocab = self.tokenizer.get_piece_size()
+        return {
+            int(row): self.tokenizer.id_to_piece(int(ids[row])).replace("\u2581", " ")
+            for row in rows.tolist()
+            if ids[row] < vocab
+        }
+
+    def stop(self) -> None:
+        """Drop the models and their streaming state, so that a restart (the bridge's
+        answer to a failed step) builds them anew without holding two copies."""
+        if self.timings["steps"]:
+            log.info(
+                "moshi engine: %d steps, %.2f ms a step",
+                self.timings["steps"],
+                1000 * self.timings["step_s"] / self.timings["steps"],
+            )
+        self.mimi = self.lm_gen = None  # type: ignore[assignment]
+        torch = getattr(self, "_torch", None)
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _calibrate_codebooks(mimi: Any) -> None:
+    """Fit random Mimi's codebooks to its own latents of noise, with the library's k-means.
+
+    An untrained codebook is all zeros, so every input would encode to code 0 and the
+    LM would never hear its user; random centroids fare no better, since a random
+    encoder's latents are mostly its biases. One k-means pass per RVQ layer, as
+    Mimi's training starts, makes the codes follow the input.
+    """
+    import torch
+
+    device = next(mimi.parameters()).device
+    batch = 16
+    frames = -(-max(64, mimi.cardinality) // batch)  # at least one latent per centroid
+    x = torch.randn(batch, 1, frames * 1920, device=device) * torch.rand(batch, 1, 1, device=device)
+    quantizer = mimi.quantizer
+    with torch.no_grad():
+        latents = mimi._encode_to_unquantized_latent(x)
+        quantizer.train()
+        for _ in range(quantizer.total_codebooks):  # each call initialises the next layer
+            quantizer(latents, mimi.frame_rate)
+        quantizer.eval()
+
+
+def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
+    return MoshiEngine(
+        config.max_sessions,
+        preset=config.moshi_preset,
+        weights=config.moshi_weights,
+        tokenizer=config.moshi_tokenizer,
+        device=config.device,
+        dtype=config.moshi_dtype,
+        context=config.moshi_context,
+        sampling=Sampling(
+            greedy=config.moshi_greedy,
+            temp=config.moshi_temp,
+            temp_text=config.moshi_temp_text,
+            top_k=config.moshi_top_k,
+            top_k_text=config.moshi_top_k_text,
+        ),
+        seed=config.moshi_seed,
+        threads=config.moshi_threads,
+        cuda_graphs=config.moshi_cuda_graphs,
+    )

@@ -1,0 +1,369 @@
+"""Benchmarks of the moshi engine (docs/benchmarks.md, "moshi engine on one H200").
+
+    steps  GPU step time against batch size, engine alone (no server): one step =
+           Mimi encode + LMGen step + Mimi decode over every slot, CUDA graphs on; also
+           the engine thread's CPU per step, and how late a thread that only sleeps 1 ms
+           at a time wakes up meanwhile: the wait an event loop in the same process
+           would have for the GIL.
+    rtf    paced RTF run through the real server: start it (engine thread or engine
+           process), open N sessions that each stream S seconds of audio in 160 ms
+           messages on an absolute wall-clock schedule, and report per-session RTF,
+           frame round trip, frame lateness, server CPU per frame and the step times.
+    serve  start the server (what ``rtf`` runs; avoids the CLI's other subcommands).
+
+This compact paced client stands in for ``duplexserve loadgen`` (built beside it) so
+that the H200 run depends on nothing but the server; its metrics follow BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+FRAME_S = 0.08
+FRAME = 1920
+
+
+# --------------------------------------------------------------------------- steps
+class GilProbe(threading.Thread):
+    """Sleeps 1 ms at a time and records how late it wakes: time spent waiting for the GIL."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.late: list[float] = []
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            t = time.perf_counter()
+            time.sleep(0.001)
+            self.late.append(time.perf_counter() - t - 0.001)
+
+    def take(self) -> list[float]:
+        late, self.late = self.late, []
+        return late
+
+
+def pct(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
+
+
+def cmd_steps(args: argparse.Namespace) -> None:
+    from duplexserve.engine_bridge.moshi_engine import MoshiEngine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = MoshiEngine(batches[0], args.preset, device=args.device, context=args.context)
+    t = time.perf_counter()
+    engine.start()
+    print(f"built {args.preset} in {time.perf_counter() - t:.1f} s", flush=True)
+    probe = GilProbe()
+    probe.start()
+    time.sleep(0.5)
+    idle = probe.take()
+    rows = []
+    for b in batches:
+        if b != engine.num_slots:
+            engine.resize(b)
+        slots = np.arange(b)
+        frames = (np.random.default_rng(0).standard_normal((b, FRAME)) * 0.05).astype(np.float32)
+        for _ in range(5):
+            engine.step(slots, frames)
+        probe.take()
+        wall, cpu = [], []
+        for _ in range(args.steps):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            engine.step(slots, frames)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        late = probe.take()
+        mem = engine._torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else 0.0
+        row = {
+            "batch": b,
+            "step_ms_p50": 1000 * pct(wall, 50),
+            "step_ms_p90": 1000 * pct(wall, 90),
+            "engine_thread_cpu_ms_per_step": 1000 * statistics.mean(cpu),
+            "host_cpu_us_per_frame": 1e6 * statistics.mean(cpu) / b,
+            "gil_wait_ms_p50": 1000 * pct(late, 50),
+            "gil_wait_ms_p99": 1000 * pct(late, 99),
+            "gil_wait_ms_max": 1000 * max(late),
+            "gpu_max_allocated_gib": mem,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    probe.running = False
+    result = {
+        "preset": args.preset,
+        "context": args.context,
+        "idle_gil_wait_ms_p99": 1000 * pct(idle, 99),
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{'batch':>5} {'step p50':>9} {'p90':>7} {'cpu/step':>9} {'cpu/frame':>10}  GIL wait p50/p99/max")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['step_ms_p50']:>7.1f}ms {r['step_ms_p90']:>5.1f}ms "
+            f"{r['engine_thread_cpu_ms_per_step']:>7.1f}ms {r['host_cpu_us_per_frame']:>8.0f}us "
+            f"{r['gil_wait_ms_p50']:>6.2f}/{r['gil_wait_ms_p99']:.2f}/{r['gil_wait_ms_max']:.1f} ms"
+        )
+
+
+# ----------------------------------------------------------------------------- rtf
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(process itself, its descendants) user + system CPU seconds, read from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(p: int) -> float:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    rest, stack = 0.0, list(children.get(pid, []))
+    while stack:
+        p = stack.pop()
+        rest += own(p)
+        stack.extend(children.get(p, []))
+    return own(pid), rest
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def one_session(
+    url: str, audio: np.ndarray, start_at: float, message_frames: int, result: dict
+) -> None:
+    import websockets
+
+    n = len(audio) // FRAME
+    sent = np.zeros(n)
+    received: list[float] = []
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, start_at - loop.time()))
+    async with websockets.connect(url, max_size=None, compression=None) as ws:
+        json.loads(await ws.recv())
+
+        async def sender() -> None:
+            t0 = loop.time()
+            for k, i in enumerate(range(0, n, message_frames)):
+                delay = t0 + k * message_frames * FRAME_S - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                now = time.perf_counter()
+                await ws.send(audio[i * FRAME : (i + message_frames) * FRAME].tobytes())
+                sent[i : i + message_frames] = now
+            await ws.send(json.dumps({"type": "input.end"}))
+
+        task = asyncio.create_task(sender())
+        async for message in ws:
+            if isinstance(message, bytes):
+                received.append(time.perf_counter())
+            else:
+                event = json.loads(message)
+                if event["type"] == "error":
+                    result["error"] = event
+                elif event["type"] == "session.closed":
+                    result["closed"] = event
+        await task
+    recv = np.array(received)
+    result["frames_in"] = n
+    result["frames_out"] = len(recv)
+    if len(recv):
+        m = min(n, len(recv))
+        result["rtt"] = recv[:m] - sent[:m]
+        result["rtf"] = (recv[-1] - sent[0]) / (len(recv) * FRAME_S)
+        deadline = recv[0] + FRAME_S * (np.arange(len(recv)) + 1)  # playback buffer of one frame
+        result["lateness"] = recv - deadline
+
+
+async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, ramp_s: float) -> list[dict]:
+    audio = (np.random.default_rng(1).standard_normal(int(seconds / FRAME_S) * FRAME) * 0.05).astype(
+        np.float32
+    )
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.5
+    results: list[dict] = [{} for _ in range(sessions)]
+    tasks = [
+        one_session(url, audio, t0 + ramp_s * i / sessions, message_ms // 80, results[i])
+        for i in range(sessions)
+    ]
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    for r, d in zip(results, done, strict=True):
+        if isinstance(d, BaseException):
+            r["error"] = repr(d)
+    return results
+
+
+def cmd_rtf(args: argparse.Namespace) -> None:
+    port = args.port
+    server_cmd = [
+        sys.executable, __file__, "serve", "--port", str(port), "--engine", "moshi",
+        "--moshi-preset", args.preset, "--max-sessions", str(args.sessions), "--log-level", "info",
+        "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
+        *(["--moshi-context", str(args.context)] if args.context else []),
+    ]  # fmt: skip
+    t = time.perf_counter()
+    with open(args.server_log or os.devnull, "w") as log:
+        proc = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited with {proc.returncode}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        startup = time.perf_counter() - t
+        before = scrape(port)
+        cpu0, cpu0_children = cpu_seconds(proc.pid)
+        c0 = time.process_time()
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        wall0 = time.perf_counter()
+        results = runner(
+            run_clients(f"ws://127.0.0.1:{port}/v1/duplex", args.sessions, args.seconds, args.message_ms, 2.0)
+        )
+        wall = time.perf_counter() - wall0
+        client_cpu = time.process_time() - c0
+        cpu1, cpu1_children = cpu_seconds(proc.pid)
+        after = scrape(port)
+        gpu_mem = ""
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            gpu_mem = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip()  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    ok = [r for r in results if "rtf" in r]
+    frames = sum(r.get("frames_out", 0) for r in results)
+    rtfs = sorted(r["rtf"] for r in ok)
+    rtt = np.concatenate([r["rtt"] for r in ok]) if ok else np.zeros(1)
+    late = np.concatenate([r["lateness"] for r in ok]) if ok else np.zeros(1)
+    steps = delta("duplexserve_engine_step_seconds_count")
+    summary = {
+        "preset": args.preset,
+        "sessions": args.sessions,
+        "engine": "process" if args.engine_process else "thread",
+        "context": args.context or "preset",
+        "seconds": args.seconds,
+        "message_ms": args.message_ms,
+        "startup_s": startup,
+        "wall_s": wall,
+        "complete_sessions": sum(
+            1 for r in results if r.get("frames_out") == r.get("frames_in") and "error" not in r
+        ),
+        "errors": [r["error"] for r in results if "error" in r][:5],
+        "rtf_min": rtfs[0] if rtfs else None,
+        "rtf_median": statistics.median(rtfs) if rtfs else None,
+        "rtf_max": rtfs[-1] if rtfs else None,
+        "sessions_rtf_over_1": sum(1 for x in rtfs if x > 1.0),
+        "rtt_ms_p50": 1000 * pct(rtt, 50),
+        "rtt_ms_p99": 1000 * pct(rtt, 99),
+        "rtt_ms_max": 1000 * float(rtt.max()),
+        "lateness_ms_p99": 1000 * pct(late, 99),
+        "underruns": int((late > 0).sum()),
+        "frames": frames,
+        "step_ms_mean": 1000 * delta("duplexserve_engine_step_seconds_sum") / steps if steps else None,
+        "batch_mean": delta("duplexserve_engine_batch_size_sum") / steps if steps else None,
+        "steps": steps,
+        "server_cpu_us_per_frame": 1e6 * (cpu1 - cpu0) / max(frames, 1),
+        "engine_process_cpu_us_per_frame": 1e6 * (cpu1_children - cpu0_children) / max(frames, 1),
+        "server_cpu_cores": (cpu1 - cpu0) / wall,
+        "client_cpu_cores": client_cpu / wall,
+        "gpu_memory_used": gpu_mem,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary), flush=True)
+
+
+def cmd_serve(argv: list[str]) -> None:
+    from duplexserve.config import ServerConfig
+    from duplexserve.server.run import serve
+
+    parser = argparse.ArgumentParser(prog="bench_moshi.py serve")
+    ServerConfig.add_arguments(parser)
+    config = ServerConfig.from_namespace(parser.parse_args(argv))
+    config.validate()
+    import logging
+
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=config.log_level.upper(), format=fmt)
+    serve(config)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        cmd_serve(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("steps")
+    s.add_argument("--preset", default="hibiki-2b")
+    s.add_argument("--batches", default="1,32,64,96,128,192")
+    s.add_argument("--steps", type=int, default=50)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--context", type=int, default=0)
+    s.add_argument("--out", default="")
+    r = sub.add_parser("rtf")
+    r.add_argument("--preset", default="hibiki-2b")
+    r.add_argument("--sessions", type=int, default=64)
+    r.add_argument("--seconds", type=float, default=60.0)
+    r.add_argument("--message-ms", type=int, default=160)
+    r.add_argument("--engine-process", action="store_true")
+    r.add_argument("--context", type=int, default=0)
+    r.add_argument("--port", type=int, default=18990)
+    r.add_argument("--server-log", default="")
+    r.add_argument("--out", default="")
+    args = parser.parse_args()
+    {"steps": cmd_steps, "rtf": cmd_rtf}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

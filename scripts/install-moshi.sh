@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install what the moshi engine needs into .venv, without letting pip resolve torch.
+#
+# moshi 0.2.13 declares torch<2.10 (and numpy<2.3) but runs on newer releases (CPU
+# tests here: torch 2.13; H200 runs: torch 2.11). Installed with its dependencies, pip
+# would replace the torch in place with a <2.10 build of several GB, so the steps are:
+# torch pinned first (the CPU build, which this machine keeps as a local wheel), then
+# moshi with --no-deps, then only the packages moshi imports at run time, with the
+# ranges it declares. Nothing here downloads model weights.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+TORCH_VERSION="${DUPLEXSERVE_TORCH_VERSION:-2.13.0}"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==${TORCH_VERSION}"
+fi
+"$PY" -m pip install -q --no-deps "moshi==0.2.13"
+"$PY" -m pip install -q "safetensors>=0.4,<0.8" "huggingface-hub>=0.24,<1.0" "einops>=0.7,<0.9" \
+  "sentencepiece>=0.2,<0.3"
+"$PY" -c "import moshi.models, torch; print('moshi', moshi.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,170 @@
+"""The moshi engine on the CPU with the tiny preset: real Mimi + LM code, random weights.
+
+Greedy decoding makes the model a deterministic function of each slot's own input
+history, so "the same input gives the same output" checks slot isolation, resets and
+every transport (thread, process, local weights) exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from duplexserve.config import ServerConfig
+from duplexserve.engine_bridge.moshi_engine import MoshiEngine, Sampling
+from duplexserve.engine_bridge.moshi_presets import TINY_LM, TINY_MIMI
+from duplexserve.engine_bridge.process_engine import ProcessEngine
+
+SLOTS = 4
+FRAMES = 12
+
+
+def signal(seed: int, frames: int = FRAMES) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((frames, 1920)) * 0.1).astype(np.float32)
+
+
+def make_engine(**kwargs) -> MoshiEngine:
+    engine = MoshiEngine(SLOTS, "tiny", sampling=Sampling(greedy=True), threads=1, **kwargs)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[MoshiEngine]:
+    engine = make_engine()
+    yield engine
+    engine.stop()
+
+
+def run(engine, inputs: dict[int, np.ndarray], opens: bool = True) -> dict[int, np.ndarray]:
+    """Stream each slot's frames (slots of different lengths drop out as they end)."""
+    if opens:
+        for slot in inputs:
+            engine.open(slot, {})
+    outputs: dict[int, list[np.ndarray]] = {slot: [] for slot in inputs}
+    for i in range(max(len(x) for x in inputs.values())):
+        slots = np.array([s for s, x in inputs.items() if i < len(x)])
+        result = engine.step(slots, np.stack([inputs[s][i] for s in slots]))
+        assert result.audio.shape == (len(slots), 1920) and result.audio.dtype == np.float32
+        for row, slot in enumerate(slots.tolist()):
+            outputs[slot].append(result.audio[row].copy())
+    for slot in inputs:
+        engine.close(slot)
+    return {slot: np.stack(frames) for slot, frames in outputs.items()}
+
+
+def test_one_output_per_input_silence_only_for_the_model_delay(engine):
+    assert engine.delay_frames == max(TINY_LM["delays"]) == 1
+    out = run(engine, {0: signal(1), 2: signal(2, 7)})
+    for slot, frames in ((0, FRAMES), (2, 7)):
+        assert out[slot].shape == (frames, 1920)
+        level = np.abs(out[slot]).max(axis=1)
+        assert (level[: engine.delay_frames] == 0).all()
+        assert (level[engine.delay_frames :] > 0).all()
+
+
+def test_a_slot_does_not_hear_its_neighbours(engine):
+    alone = run(engine, {1: signal(1)})[1]
+    crowded = run(engine, {0: signal(7), 1: signal(1), 2: signal(8), 3: signal(9)})
+    np.testing.assert_array_equal(crowded[1], alone)
+    assert not np.array_equal(crowded[0], alone)
+
+
+def test_sessions_open_and_close_while_another_streams(engine):
+    alone = run(engine, {0: signal(1, 24)})[0]
+    engine.open(0, {})
+    x = signal(1, 24)
+    got = []
+    for i in range(24):
+        slots = [0]
+        if i % 6 == 1:  # a new session takes slot 1 or 2 while slot 0 goes on
+            engine.open(1 + (i // 6) % 2, {})
+        if i % 6 in (1, 2, 3):
+            slots.append(1 + (i // 6) % 2)
+        if i % 6 == 4:
+            engine.close(1 + (i // 6) % 2)
+        frames = np.stack([x[i]] + [signal(100 + i, 1)[0]] * (len(slots) - 1))
+        got.append(engine.step(np.array(slots), frames).audio[0].copy())
+    engine.close(0)
+    np.testing.assert_array_equal(np.stack(got), alone)
+
+
+def test_reset_gives_a_new_session_a_fresh_state(engine):
+    first = run(engine, {3: signal(5)})[3]
+    run(engine, {3: signal(6, 20), 0: signal(4)})  # another occupant, longer
+    again = run(engine, {3: signal(5)})[3]
+    np.testing.assert_array_equal(again, first)
+    # The check can fail: the same slot without its reset answers differently.
+    stale = run(engine, {3: signal(5)}, opens=False)[3]
+    assert not np.array_equal(stale, first)
+
+
+def _tokenizer(path) -> None:
+    import sentencepiece
+
+    text = "every session is a slot of one batched streaming state. hello from the duplex engine."
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.split(". ") * 10),
+        model_writer=model,
+        vocab_size=64,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    path.write_bytes(model.getvalue())
+
+
+def test_local_weights_and_tokenizer(engine, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(engine.lm_gen.lm_model.state_dict(), str(tmp_path / "lm.safetensors"))
+    save_file(engine.mimi.state_dict(), str(tmp_path / "mimi.safetensors"))
+    (tmp_path / "mimi.json").write_text(json.dumps(TINY_MIMI))
+    config = {
+        **TINY_LM,
+        "moshi_name": "lm.safetensors",
+        "mimi_name": "mimi.safetensors",
+        "mimi_config_name": "mimi.json",
+        "tokenizer_name": "spm.model",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _tokenizer(tmp_path / "spm.model")
+    reference = run(engine, {0: signal(3)})[0]
+    loaded = make_engine(weights=str(tmp_path), seed=123)  # another seed: weights must come from disk
+    try:
+        assert loaded.tokenizer is not None
+        loaded.open(0, {})
+        texts: list[str] = []
+        audio = []
+        for frame in signal(3):
+            result = loaded.step(np.array([0]), frame[None])
+            audio.append(result.audio[0])
+            texts.extend(result.text.values())
+        np.testing.assert_array_equal(np.stack(audio), reference)
+        tokenizer = loaded.tokenizer
+        pieces = {tokenizer.id_to_piece(i).replace("\u2581", " ") for i in range(tokenizer.get_piece_size())}
+        assert texts and set(texts) <= pieces
+    finally:
+        loaded.stop()
+
+
+def test_missing_weights_are_an_error_not_a_download(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        MoshiEngine(1, weights=str(tmp_path))
+
+
+def test_engine_in_its_own_process_answers_the_same(engine):
+    reference = run(engine, {0: signal(1), 1: signal(2)})
+    config = ServerConfig(
+        engine="moshi", engine_process=True, max_sessions=SLOTS, moshi_greedy=True, moshi_threads=1
+    )
+    proxy = ProcessEngine(config)
+    proxy.start()
+    try:
+        np.testing.assert_equal(run(proxy, {0: signal(1), 1: signal(2)}), reference)
+    finally:
+        proxy.stop()
