@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The constants below restate moshi.models.loaders (0.2.13) so that this module stays
-# importable without moshi; moshi_engine checks the stock ones against the library.
+# The constants below restate moshi.models.loaders (0.2.13: _seanet_kwargs,
+# _transformer_kwargs, _lm_kwargs) so that this module stays importable without moshi.
 SEANET: dict[str, Any] = {
     "channels": 1,
     "dimension": 512,
