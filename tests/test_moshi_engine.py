@@ -168,3 +168,14 @@ def test_engine_in_its_own_process_answers_the_same(engine):
         np.testing.assert_equal(run(proxy, {0: signal(1), 1: signal(2)}), reference)
     finally:
         proxy.stop()
+
+
+def test_stock_presets_restate_the_library():
+    from moshi.models import loaders
+
+    from duplexserve.engine_bridge import moshi_presets
+
+    assert loaders._lm_kwargs == moshi_presets.MOSHI_7B_LM
+    assert loaders._seanet_kwargs == moshi_presets.SEANET
+    assert loaders._transformer_kwargs == moshi_presets.MIMI_TRANSFORMER
+    assert moshi_presets.get_preset("hibiki-2b").max_delay == 2
