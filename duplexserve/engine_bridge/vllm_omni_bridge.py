@@ -48,7 +48,13 @@ import numpy as np
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.engine_bridge.bridge import BridgeCounts
 from duplexserve.engine_bridge.engine import Engine, StepResult
-from duplexserve.engine_bridge.vllm_omni_events import FATAL_CODES, MODEL_RATE, Decoded, OutputFramer
+from duplexserve.engine_bridge.vllm_omni_events import (
+    FATAL_CODES,
+    MODEL_RATE,
+    Decoded,
+    InputFramer,
+    OutputFramer,
+)
 from duplexserve.server import errors
 
 log = logging.getLogger(__name__)
@@ -79,9 +85,19 @@ class VllmOmniOutput:
 class _Slot:
     """One duplexserve session's vLLM-Omni session, on the loop thread."""
 
-    __slots__ = ("closed", "framer", "generation", "lease_generation", "pending", "ready", "sid", "text")
+    __slots__ = (
+        "closed",
+        "framer",
+        "generation",
+        "lease_generation",
+        "pending",
+        "ready",
+        "resampler",
+        "sid",
+        "text",
+    )
 
-    def __init__(self, generation: int, sid: str, unit_ms: int) -> None:
+    def __init__(self, generation: int, sid: str, unit_ms: int, input_rate: int = MODEL_RATE) -> None:
         self.generation = generation
         self.sid = sid
         self.ready = False  # the open (or resume) RPC answered
@@ -90,6 +106,8 @@ class _Slot:
         self.lease_generation = 0
         self.framer = OutputFramer(unit_ms)
         self.text = ""  # text waiting for the next output frame
+        #: Toward a model that does not take 24 kHz: its own 80 ms units, one per append.
+        self.resampler = InputFramer(input_rate, unit_ms) if input_rate != MODEL_RATE else None
 
 
 class VllmOmniBridge:
@@ -125,7 +143,6 @@ class VllmOmniBridge:
         self._slots: dict[int, _Slot] = {}
         self._by_sid: dict[str, tuple[int, _Slot]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._resamplers: dict[str, Any] = {}  # per session, only when the model's rate is not 24 kHz
         # Loop -> engine slow path.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-omni-put")
         self._overflow: collections.deque[Any] = collections.deque()
@@ -183,7 +200,7 @@ class VllmOmniBridge:
         """Open a vLLM-Omni session for the slot, or resume one (``params['vllm_omni_resume']``)."""
         resume = params.get("vllm_omni_resume") if params else None
         sid = str(resume["session_id"]) if resume else f"duplex-{uuid.uuid4().hex}"
-        state = _Slot(generation, sid, self._unit_ms)
+        state = _Slot(generation, sid, self._unit_ms, self.input_rate)
         self._slots[slot] = state
         self._by_sid[sid] = (slot, state)
         self._spawn(self._open(slot, state, resume))
@@ -241,7 +258,8 @@ class VllmOmniBridge:
             return
         pending, state.pending = state.pending, []
         for frame in pending:
-            self._put(self._command(state.sid, frame))
+            for message in self._commands(state, frame):
+                self._put(message)
 
     async def _control(self, state: _Slot, op: str) -> None:
         engine = self.engine
@@ -258,7 +276,6 @@ class VllmOmniBridge:
         finally:
             if op == "close":
                 self._by_sid.pop(state.sid, None)
-            self._resamplers.pop(state.sid, None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -283,12 +300,21 @@ class VllmOmniBridge:
         if self._overflow:
             self.counts.full_waits += 1
             return False
-        try:
-            self._sync_q.put_nowait(self._command(state.sid, frame))
-        except queue.Full:
+        if state.resampler is None:
+            try:
+                self._sync_q.put_nowait(self._commands(state, frame)[0])
+            except queue.Full:
+                self.counts.full_waits += 1
+                return False
+            self.counts.fast_puts += 1
+            return True
+        # At another rate one frame makes 0, 1 or 2 appends and the resampler moves on:
+        # once converted, the frame is taken, and what does not fit goes the slow way.
+        if self._sync_q.qsize() + 2 > self._sync_q.maxsize:
             self.counts.full_waits += 1
             return False
-        self.counts.fast_puts += 1
+        for message in self._commands(state, frame):
+            self._put(message)
         return True
 
     def submit(self, item: tuple[int, int, Any]) -> None:
@@ -300,7 +326,8 @@ class VllmOmniBridge:
         if not state.ready:
             state.pending.append(frame)
             return
-        self._put(self._command(state.sid, frame))
+        for message in self._commands(state, frame):
+            self._put(message)
 
     async def submit_offloaded(self, item: tuple[int, int, Any]) -> None:
         """vLLM-Omni's own per-frame thread hop (``--offload-every-frame``), kept only to measure against."""
@@ -309,26 +336,30 @@ class VllmOmniBridge:
         if state is None or state.generation != generation or not state.ready:
             self.submit(item)
             return
-        self.counts.executor_submissions += 1
-        self.counts.slow_puts += 1
-        message = self._command(state.sid, frame)
-        await asyncio.get_running_loop().run_in_executor(None, self._sync_q.put, message)
+        for message in self._commands(state, frame):
+            self.counts.executor_submissions += 1
+            self.counts.slow_puts += 1
+            await asyncio.get_running_loop().run_in_executor(None, self._sync_q.put, message)
 
-    def _command(self, sid: str, frame: np.ndarray) -> Any:
-        if self.input_rate != MODEL_RATE:
-            frame = self._to_input_rate(sid, frame)
-        audio = self._append(audio=frame.tobytes(), format="pcm_f32le", sample_rate_hz=self.input_rate)
-        return self._message(session_id=sid, command=audio)
-
-    def _to_input_rate(self, sid: str, frame: np.ndarray) -> np.ndarray:
-        import soxr
-
-        stream = self._resamplers.get(sid)
-        if stream is None:
-            stream = self._resamplers[sid] = soxr.ResampleStream(
-                MODEL_RATE, self.input_rate, 1, dtype="float32", quality="HQ"
+    def _commands(self, state: _Slot, frame: np.ndarray) -> list[Any]:
+        """The appends one 80 ms frame makes: itself at 24 kHz, else whole frames at the model's rate."""
+        if state.resampler is None:
+            audio = frame.tobytes()
+            return [
+                self._message(
+                    session_id=state.sid,
+                    command=self._append(audio=audio, format="pcm_f32le", sample_rate_hz=MODEL_RATE),
+                )
+            ]
+        return [
+            self._message(
+                session_id=state.sid,
+                command=self._append(
+                    audio=unit.tobytes(), format="pcm_f32le", sample_rate_hz=self.input_rate
+                ),
             )
-        return stream.resample_chunk(np.ascontiguousarray(frame, dtype=np.float32))
+            for unit in state.resampler.push(frame)
+        ]
 
     def _put(self, message: Any) -> None:
         if not self._overflow:

@@ -151,3 +151,29 @@ class OutputFramer:
         rest = samples[whole * FRAME_SAMPLES :]
         self._partial = rest.copy() if len(rest) else _EMPTY
         return Decoded(frames=frames)
+
+
+class InputFramer:
+    """24 kHz frames in, the model's own 80 ms units out (1280 samples at 16 kHz), for one session.
+
+    soxr's streaming resampler hands out uneven blocks (979 or 1468 samples per 80 ms
+    at 24 -> 16 kHz); models such as Nemotron VoiceChat take at most one unit per
+    append, so the output is cut into whole units and the rest waits for the next frame.
+    """
+
+    def __init__(self, rate: int, unit_ms: int = 80) -> None:
+        import soxr
+
+        self._stream = soxr.ResampleStream(MODEL_RATE, rate, 1, dtype="float32", quality="HQ")
+        self._unit = rate * unit_ms // 1000
+        self._partial = _EMPTY
+
+    def push(self, frame: np.ndarray) -> list[np.ndarray]:
+        out = self._stream.resample_chunk(np.ascontiguousarray(frame, dtype=np.float32))
+        if len(self._partial):
+            out = np.concatenate((self._partial, out))
+        whole = len(out) // self._unit
+        units = list(out[: whole * self._unit].reshape(whole, self._unit)) if whole else []
+        rest = out[whole * self._unit :]
+        self._partial = rest.copy() if len(rest) else _EMPTY
+        return units

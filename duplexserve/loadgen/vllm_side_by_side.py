@@ -42,6 +42,11 @@ from pathlib import Path
 from typing import Any
 
 FRONTENDS = ("vllm-omni", "duplexserve")
+#: Both servers run with uvicorn's WebSocket keepalive pings off. With its default (a ping
+#: every 20 s, 20 s to answer) a burst whose backlog takes the server longer than that to
+#: work through (64 x 512 frames at about 1 ms of engine CPU a frame, on one core) has the
+#: pong wait behind the audio, and every connection is dropped with 1011.
+KEEPALIVE = None
 PROTOCOL = {"vllm-omni": "vllm_omni", "duplexserve": "native"}
 OUTPUT_FORMAT = {"vllm-omni": "pcm_s16le", "duplexserve": "pcm_f32le"}
 PATH = {"vllm-omni": "/v1/realtime", "duplexserve": "/v1/duplex"}
@@ -104,7 +109,14 @@ def serve_vllm_omni(port: int, max_sessions: int) -> None:
         app.include_router(router)
         app.state.openai_serving_duplex = OmniDuplexSessionHandler(duplex_omni=omni)
         app.state.api_server_count = 1
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            ws_ping_interval=KEEPALIVE,
+        )
         try:
             await uvicorn.Server(config).serve()
         finally:
@@ -133,7 +145,9 @@ def serve_duplexserve(port: int, max_sessions: int) -> None:
         engine = app.orchestrator.bridge.engine
         return {"engine_executor_submissions": engine.engine_executor_submissions if engine else 0}
 
-    DrainingServer(uvicorn_config(config, app), app, config.drain_grace_s).run()
+    server_config = uvicorn_config(config, app)
+    server_config.ws_ping_interval = KEEPALIVE
+    DrainingServer(server_config, app, config.drain_grace_s).run()
 
 
 # ============================================================== client side
@@ -311,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wav = str(out / "input-16bit.wav")
     write_wav(wav, max(args.frames, args.paced_frames) + 64)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below: stop both servers
     fronts = {name: Frontend(name, args.max_sessions, not args.no_pin) for name in FRONTENDS}
     rows: list[dict[str, Any]] = []
     try:

@@ -19,6 +19,7 @@ from tests.vllm_omni.conftest import require_vllm_omni
 require_vllm_omni()
 
 from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniBridge  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni_events import InputFramer  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni_setup import session_payload, standin_builder  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni_standin import MODEL_NAME  # noqa: E402
 from duplexserve.server import errors  # noqa: E402
@@ -236,13 +237,21 @@ def test_vllm_omni_refusals_and_closes_become_session_errors():
 
 def test_engine_error_events_are_reported_and_the_session_goes_on():
     async def go():
-        # The stand-in model takes 24 kHz only: 16 kHz appends (resampled here, as for a
-        # 16 kHz model) are refused by PersonaPlex's input buffer with an error event.
+        # The stand-in model takes 24 kHz only; as for a 16 kHz model (Nemotron VoiceChat),
+        # the bridge resamples and sends whole 1280-sample units, which PersonaPlex's input
+        # buffer refuses with one error event each.
+        sent = frames(6, seed=5)
+        framer = InputFramer(16000)
+        units = [u for f in sent for u in framer.push(f)]
+        assert units and all(len(u) == 1280 for u in units)
         async with bridge(input_rate=16000) as (b, out):
             b.open(0, 1, {})
-            for f in frames(2, seed=5):
-                b.submit((0, 1, f))
-            await out.wait(lambda: len(out.issues) == 2)
+            await out.wait(lambda: b.session_of(0) is not None)
+            for f in sent:
+                assert b.try_submit((0, 1, f))
+            await out.wait(lambda: len(out.issues) == len(units))
+            await asyncio.sleep(0.2)
+            assert len(out.issues) == len(units)
             assert {(slot, close_code) for slot, _, close_code in out.issues} == {(0, None)}
             assert b.session_of(0) is not None  # not fatal: the session is still open
 
