@@ -248,3 +248,27 @@ def test_client_ceiling_from_its_cpu():
     assert stats.busy == pytest.approx(0.125)
     run = RunResult("x", {}, [], stats)
     assert not run.guards_ok  # no sessions: nothing was shown to work
+
+
+def test_steady_window_leaves_out_the_ramp_and_the_tail():
+    def session(index: int, start: float, rt: list[float]) -> SessionRecorder:
+        rec = SessionRecorder(index, AudioFormat(), check_content=False, recent=[])
+        rec.on_ready({"session_id": str(index)})
+        for i, delay in enumerate(rt):
+            rec.sent_frames([], 1, start + 0.08 * i)
+            rec.on_audio(b"", start + 0.08 * i + delay)
+        rec.on_closed("completed", {})
+        return rec
+
+    # Session 0 starts at 0 s, session 1 at 0.4 s; both send 10 frames. The window is
+    # [0.4, 0.72]: session 0's frames 5..9 and session 1's frames 0..4.
+    slow_start = [0.5] * 5 + [0.010] * 5  # session 0: slow while the other was connecting
+    slow_tail = [0.020] * 5 + [0.9] * 5  # session 1: slow once session 0 was gone
+    results = [session(0, 0.0, slow_start).result(), session(1, 0.4, slow_tail).result()]
+    run = RunResult("x", {}, results, ClientStats(1, 0.0, 1.0, 20))
+    steady = run.steady()
+    assert steady["window_s"] == pytest.approx(0.32)
+    assert steady["frames"] == 10
+    assert steady["rt_max_ms"] == pytest.approx(20.0, abs=1e-3)
+    assert steady["rt_p50_ms"] == pytest.approx(10.0, abs=1e-3)
+    assert run.summary()["rt_max_ms"] == pytest.approx(900.0, abs=1e-3)  # the whole run sees both

@@ -109,3 +109,19 @@ def test_loadgen_command_prints_writes_json_and_plots(echo_server, tmp_path):
     assert all(r["summary"]["guards_ok"] for r in runs)
     for name in ("latency_cdf.png", "rtf_per_session.png", "sweep.png"):
         assert (tmp_path / "img" / name).stat().st_size > 1000
+
+
+def test_bench_short_rtf_run(tmp_path):
+    """The CI-sized RTF benchmark: the step model on, paced, warm-up batch; guards hold, JSON and plots."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexserve", "bench", "rtf", "--short", "--no-pin", "--no-progress",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "rtf.json").read_text())
+    assert payload["step_model"] == {"base_ms": 21.0, "per_session_ms": 0.184}
+    (run,) = payload["runs"]
+    assert run["summary"]["guards_ok"] and run["warmup_sessions"] == run["config"]["concurrency"]
+    assert run["summary"]["sessions"] == 2 * run["config"]["concurrency"]
+    assert (tmp_path / "img" / "rtf_per_session.png").stat().st_size > 1000

@@ -33,6 +33,7 @@ class SessionResult:
     rtf: float
     rt: np.ndarray
     late: np.ndarray
+    sent: np.ndarray  # when each input frame left, for windows over the run
     lateness_p99: float
     lateness_max: float
     underruns: int
@@ -139,6 +140,7 @@ class SessionRecorder:
             if len(sent) and len(received) else math.nan,
             rt=metrics.round_trips(sent, received).astype(np.float32),
             late=late.astype(np.float32),
+            sent=sent.copy(),
             lateness_p99=metrics.percentile(late, 99),
             lateness_max=float(late.max()) if len(late) else math.nan,
             underruns=metrics.underruns(late, playback_buffer_frames),

@@ -97,6 +97,37 @@ class RunResult:
         lasts = [s.last_received for s in self.sessions if not math.isnan(s.last_received)]
         return max(lasts) - min(firsts) if firsts and lasts else math.nan
 
+    def steady(self, playback_buffer_frames: int = 1) -> dict[str, Any]:
+        """The same metrics over the frames sent while every session of the run was streaming.
+
+        The window opens when the last session sent its first frame and closes when the
+        first session sent its last, so the connection ramp and the tail are left out: this
+        is what holding N concurrent sessions means.
+        """
+        live = [s for s in self.sessions if len(s.sent)]
+        if not live:
+            return {"window_s": 0.0, "frames": 0}
+        start = max(float(s.sent[0]) for s in live)
+        end = min(float(s.sent[-1]) for s in live)
+        rts, lates = [], []
+        for s in live:
+            n = min(len(s.rt), len(s.sent))
+            inside = (s.sent[:n] >= start) & (s.sent[:n] <= end)
+            rts.append(s.rt[:n][inside])
+            m = min(len(s.late), n)
+            lates.append(s.late[:m][inside[:m]])
+        rt = np.concatenate(rts) if rts else np.zeros(0, np.float32)
+        late = np.concatenate(lates) if lates else np.zeros(0, np.float32)
+        return {
+            "window_s": max(0.0, end - start),
+            "frames": len(rt),
+            "rt_p50_ms": 1e3 * metrics.percentile(rt, 50),
+            "rt_p99_ms": 1e3 * metrics.percentile(rt, 99),
+            "rt_max_ms": 1e3 * float(rt.max()) if len(rt) else math.nan,
+            "lateness_p99_ms": 1e3 * metrics.percentile(late, 99),
+            "underruns": metrics.underruns(late, playback_buffer_frames),
+        }
+
     def summary(self) -> dict[str, Any]:
         rt = self.round_trips()
         rtfs = np.array([s.rtf for s in self.sessions], dtype=np.float64)

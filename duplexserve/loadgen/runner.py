@@ -55,7 +55,7 @@ class LoadSpec:
     wav: str | None = None
     seed: int = 0
     processes: int = 1
-    ramp_s: float | None = None  # None: paced sessions start over max(0.1, concurrency / 400) s
+    ramp_s: float | None = None  # None: paced sessions start over max(0.1, concurrency / 150) s
     expect: str = "echo"  # echo | silence | none
     delay_frames: int = 0
     playback_buffer_frames: int = 1
@@ -74,7 +74,9 @@ class LoadSpec:
     def ramp(self) -> float:
         if self.ramp_s is not None:
             return self.ramp_s
-        return max(0.1, self.concurrency / 400.0) if self.paced else 0.0
+        # Handshakes are the dearest messages for client and server: about 150 a second
+        # keeps the connection storm from dominating a paced run's latency on one core.
+        return max(0.1, self.concurrency / 150.0) if self.paced else 0.0
 
     def validate(self) -> None:
         if self.concurrency < 1 or self.sessions < 1 or self.warmup < 0 or self.processes < 1:
