@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import subprocess
 import warnings
@@ -366,6 +367,24 @@ def test_a_dead_codec_process_fails_its_sessions_not_the_caller():
                 await dec.decode_async(b"OggS")
             fresh = make_encoder(AudioFormat("opus"), procs)  # a new worker replaces it
             assert (await fresh.encode_async(tone(500, 0.08))).startswith(b"OggS")
+        finally:
+            procs.close()
+
+    asyncio.run(main())
+
+
+def test_a_dropped_remote_codec_is_freed_in_its_worker():
+    async def main():
+        procs = CodecProcesses(1)
+        try:
+            enc = make_encoder(AudioFormat("opus"), procs)
+            worker = enc._worker
+            assert (await enc.encode_async(tone(500, 0.08))).startswith(b"OggS")
+            assert worker.open_codecs == 1
+            del enc
+            gc.collect()
+            await asyncio.sleep(0.05)  # the release runs on the loop
+            assert worker.open_codecs == 0
         finally:
             procs.close()
 

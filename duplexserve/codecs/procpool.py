@@ -38,6 +38,7 @@ OP_OPEN_DECODER, OP_OPEN_ENCODER, OP_DECODE, OP_ENCODE, OP_CLOSE = range(5)
 OK, FORMAT_ERROR, FAILED = range(3)
 _SOCKET_BUFFER = 4 << 20
 _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
+RECV_SIZE = 256 << 10
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -68,6 +69,9 @@ class _Worker:
         self._unsent: collections.deque[bytes] = collections.deque()
         self._batch: list[bytes | memoryview] = []  # requests of this loop iteration, not yet sent
         self._rbuf = bytearray()
+        # recv_into one reused buffer: recv(n) would allocate (and, past 128 KiB, mmap) n bytes a call.
+        self._chunk = bytearray(RECV_SIZE)
+        self._chunk_view = memoryview(self._chunk)
         loop.add_reader(self.fd, self._on_readable)
 
     def request(self, op: int, cid: int, payload: bytes | memoryview = b"") -> None:
@@ -127,17 +131,17 @@ class _Worker:
 
     def _on_readable(self) -> None:
         try:
-            data = self.sock.recv(1 << 20)
+            n = self.sock.recv_into(self._chunk)
         except BlockingIOError:
             return
         except OSError as exc:
             self._fail(CodecProcessError(f"codec worker is gone: {exc}"))
             return
-        if not data:
+        if not n:
             self._fail(CodecProcessError(f"codec worker exited ({self.proc.poll()})"))
             return
         buf = self._rbuf
-        buf += data
+        buf += self._chunk_view[:n]
         pos, end, hdr = 0, len(buf), REPLY.size
         waiting = self._waiting
         while end - pos >= hdr:
@@ -241,6 +245,13 @@ def _process_cpu(pid: int) -> float:
 
 
 def _release(worker: _Worker, cid: int) -> None:
+    """Free a codec in its worker. A finalizer can run on whichever thread collects the
+    codec object, so hand the work to the loop thread."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is gone too
+        worker.loop.call_soon_threadsafe(_release_on_loop, worker, cid)
+
+
+def _release_on_loop(worker: _Worker, cid: int) -> None:
     worker.open_codecs -= 1
     if worker.alive:
         with contextlib.suppress(CodecProcessError):

@@ -27,11 +27,13 @@ def serve(sock: socket.socket) -> None:
     codecs: dict[int, OpusStreamDecoder | OpusStreamEncoder] = {}
     buf = bytearray()
     hdr = pp.REQUEST.size
+    chunk = bytearray(pp.RECV_SIZE)  # reused: recv(n) would allocate n bytes a call
+    view = memoryview(chunk)
     while True:
-        chunk = sock.recv(1 << 20)
-        if not chunk:
+        n = sock.recv_into(chunk)
+        if not n:
             return
-        buf += chunk
+        buf += view[:n]
         pos = 0
         replies: list[bytes] = []
         since = time.perf_counter()
