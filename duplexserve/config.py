@@ -29,7 +29,7 @@ class ServerConfig:
         ("websockets-sansio", "websockets"),
     )
     log_level: str = _opt("info", "log level", ("critical", "error", "warning", "info", "debug"))
-    model: str = _opt("synthetic-echo", "model name reported in session.created")
+    model: str = _opt("", "model name reported to clients (default: named after the engine)")
 
     # Engine.
     engine: str = _opt("synthetic", "engine behind the bridge", ("synthetic", "moshi", "vllm-omni"))
@@ -132,6 +132,18 @@ class ServerConfig:
         "benchmark only: hop to a thread pool for the audio conversion and for the queue put "
         "on every frame, as vLLM-Omni's frontend did",
     )
+
+    @property
+    def model_name(self) -> str:
+        """What clients are told they talk to: --model, or what the engine settings say."""
+        if self.model:
+            return self.model
+        if self.engine == "synthetic":
+            return f"synthetic-{self.synthetic_mode}"
+        if self.engine == "moshi":
+            weights = self.moshi_weights.rstrip("/")
+            return os.path.basename(weights) if weights else self.moshi_preset
+        return self.vllm_omni_model or self.engine
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

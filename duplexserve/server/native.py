@@ -49,7 +49,7 @@ class NativeConnection(Connection):
             "type": kind,
             "protocol": self.protocol,
             "session_id": self.session.id,
-            "model": self.config.model,
+            "model": self.config.model_name,
             "engine": self.orch.engine.name,
             "frame_ms": FRAME_MS,
             "input": self.input_format.describe(),

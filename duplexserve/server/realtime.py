@@ -109,7 +109,7 @@ class RealtimeConnection(Connection):
         self.decoder, self.encoder = self._codecs("audio/pcm", "audio/pcm")
         self.state: dict[str, Any] = {
             "id": "sess_" + session.id,
-            "model": self.query.get("model") or self.config.model,
+            "model": self.query.get("model") or self.config.model_name,
             "instructions": "",
             "voice": "default",
             "input_format": "audio/pcm",
