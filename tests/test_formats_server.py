@@ -255,3 +255,11 @@ def test_a_dead_codec_worker_ends_its_sessions_and_the_server_goes_on(server_fac
     closed = [e for e in events if e.get("type") == "session.closed"]
     assert code == 1011 and closed and closed[0]["reason"] == "internal_error"
     asyncio.run(stream(server, inp, out, seed=10))  # a new worker serves the next session
+
+
+def test_opus_input_that_is_not_ogg_is_refused_with_1003(echo_server):
+    pcm = speechlike(MODEL_RATE, seed=6, seconds=0.08).tobytes()
+    res = asyncio.run(converse(echo_server.ws(query="input_format=opus&output_format=opus"), [pcm]))
+    errors = res.of_type("error")
+    assert errors and errors[0]["code"] == "invalid_audio" and "Ogg" in errors[0]["message"]
+    assert res.close_code == 1003 and not res.frames
