@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message-ms", type=int, default=160, help="message size of the paced benchmarks")
     p.add_argument("--processes", type=int, default=1, help="client processes")
     p.add_argument("--no-pin", action="store_true", help="do not pin server and client to cores")
+    p.add_argument("--server-cpu", type=int, default=0,
+                   help="the core the servers run on (the client gets the others)")
     p.add_argument("--nice", type=int, default=0,
                    help="scheduling priority of client and servers (e.g. -10 on a busy shared machine; root)")
     p.add_argument("--no-progress", action="store_true")
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.capacity_steady_s:
         scale = replace(scale, capacity_steady_s=args.capacity_steady_s)
     chosen = BENCHMARKS if "all" in args.benchmarks else tuple(dict.fromkeys(args.benchmarks))
-    pinning = ("not pinned" if args.no_pin else pin_client()) + ", " + raise_priority(args.nice)
+    pinning = "not pinned" if args.no_pin else pin_client(args.server_cpu)
+    pinning += ", " + raise_priority(args.nice)
     short = " (short)" if args.short else ""
     console.print(f"[bold]duplexserve bench[/] {' '.join(chosen)}{short}: {pinning}")
     bench = Bench(console, scale, Path(args.out), not args.no_pin, not args.no_progress,

@@ -44,10 +44,12 @@ def raise_priority(nice: int) -> str:
     return f"nice {nice} for client and servers"
 
 
-def pin_client() -> str:
+def pin_client(server_cpu: int = 0) -> str:
     """Move this process (and the children it starts later) off the server's core."""
+    global SERVER_CPU
     if not can_pin():
         return "not pinned (one core or no taskset)"
+    SERVER_CPU = server_cpu
     others = os.sched_getaffinity(0) - {SERVER_CPU}
     os.sched_setaffinity(0, others)
     return f"client on cores {','.join(map(str, sorted(others)))}, server on core {SERVER_CPU}"
