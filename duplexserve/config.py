@@ -80,6 +80,12 @@ class ServerConfig:
         2, "worker processes holding Opus codec state (sphn holds the GIL); 0: Opus runs on the event loop"
     )
 
+    engine_coalesce_ms: float = _opt(
+        1.0,
+        "when the engine wakes from idle, wait this long before stepping so one step serves the "
+        "frames of many sessions (fewer thread hand-offs per frame); 0 steps at once",
+    )
+
     # Admission and bounds.
     max_sessions: int = _opt(256, "sessions served at once (engine slots); more get 1013")
     queue_size: int = _opt(256, "bound of the janus queue into the engine thread")

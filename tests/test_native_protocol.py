@@ -127,7 +127,7 @@ def test_native_pcm_makes_no_executor_submissions(echo_server):
 
 
 def test_order_holds_when_the_engine_queue_is_full(server_factory):
-    server = server_factory("--queue-size", "2", "--step-base-ms", "3", "--inflight-frames", "8")
+    server = server_factory("--queue-size", "1", "--step-base-ms", "10", "--inflight-frames", "8")
 
     async def burst():
         audios = [signal(60, seed=200 + i).tobytes() for i in range(16)]

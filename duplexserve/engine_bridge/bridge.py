@@ -66,7 +66,8 @@ class StepOutput:
 
 @dataclass(slots=True)
 class BridgeCounts:
-    fast_puts: int = 0
+    fast_puts: int = 0  # frames accepted for the engine without waiting
+    queue_puts: int = 0  # janus puts: one per loop iteration that produced items
     full_waits: int = 0  # frames that found the queue full and waited on the loop for room
     slow_puts: int = 0  # items sent through the executor-drained overflow FIFO
     executor_submissions: int = 0
@@ -86,19 +87,24 @@ class EngineBridge:
         window: int = 8,
         on_step: Callable[[StepOutput], None] | None = None,
         counts: BridgeCounts | None = None,
+        coalesce_s: float = 0.0,
     ) -> None:
         self.engine = engine
+        #: After an idle wait, let this long pass before stepping, so one step (and one
+        #: wake-up of the loop) serves the frames of many sessions instead of one.
+        self.coalesce_s = coalesce_s
         self.counts = counts or BridgeCounts()
         self._on_outputs = on_outputs
         self.on_step = on_step
         self._queue_size = queue_size
         self._batcher = SlotBatcher(engine.num_slots, window)
-        self._queue: janus.Queue[tuple[int, int, Any]] | None = None
+        self._queue: janus.Queue[list[tuple[int, int, Any]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready: asyncio.Future[None] | None = None
-        # Loop -> engine slow path.
-        self._overflow: collections.deque[tuple[int, int, Any]] = collections.deque()
+        # Loop -> engine: the items of one loop iteration, then the slow path.
+        self._batch: list[tuple[int, int, Any]] = []
+        self._overflow: collections.deque[list[tuple[int, int, Any]]] = collections.deque()
         self._overflow_lock = threading.Lock()
         self._draining = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-put")
@@ -149,39 +155,51 @@ class EngineBridge:
         out on the loop, in order, with no thread hop and no extra wake-up.
         """
         assert self._queue is not None
-        if self._overflow:
-            return False
-        try:
-            self._queue.async_q.put_nowait(item)
-        except asyncio.QueueFull:
+        if self._overflow or self._queue.async_q.full():
             self.counts.full_waits += 1
             return False
+        self._enqueue(item)
         self.counts.fast_puts += 1
         return True
 
-    def submit(self, item: tuple[int, int, Any]) -> None:
-        """Hand an item to the engine thread without blocking the loop, keeping order.
+    def _enqueue(self, item: tuple[int, int, Any]) -> None:
+        """Collect this loop iteration's items; they go to the engine as one queue entry."""
+        batch = self._batch
+        batch.append(item)
+        if len(batch) == 1:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
 
-        Used for controls (open, close), which cannot wait for results: when the queue is
-        full they go to the overflow FIFO that one executor task drains.
-        """
-        assert self._queue is not None
+    def _flush(self) -> None:
+        """Put the iteration's items with one ``put_nowait``: one lock, one wake-up."""
+        batch, self._batch = self._batch, []
+        if self.abandoned or self._queue is None:
+            return
         if not self._overflow:
             try:
-                self._queue.async_q.put_nowait(item)
+                self._queue.async_q.put_nowait(batch)
             except asyncio.QueueFull:
                 pass
             else:
-                self.counts.fast_puts += 1
+                self.counts.queue_puts += 1
                 return
-        self.counts.slow_puts += 1
+        self.counts.slow_puts += len(batch)
         with self._overflow_lock:
-            self._overflow.append(item)
+            self._overflow.append(batch)
             if self._draining:
                 return
             self._draining = True
         self.counts.executor_submissions += 1
         self._executor.submit(self._drain_overflow)
+
+    def submit(self, item: tuple[int, int, Any]) -> None:
+        """Hand a control (open, close) to the engine thread, in order with the frames.
+
+        Controls cannot wait for results: if the queue is full when the iteration's
+        items are put, they go to the overflow FIFO that one executor task drains.
+        """
+        assert self._queue is not None
+        self._enqueue(item)
 
     def open(self, slot: int, generation: int, params: dict[str, Any]) -> None:
         self.submit((slot, generation, Open(params)))
@@ -194,7 +212,7 @@ class EngineBridge:
         assert self._queue is not None and self._loop is not None
         self.counts.executor_submissions += 1
         self.counts.slow_puts += 1
-        await self._loop.run_in_executor(None, self._queue.sync_q.put, item)
+        await self._loop.run_in_executor(None, self._queue.sync_q.put, [item])
 
     def _drain_overflow(self) -> None:
         """Runs on the executor: blocking puts until the overflow FIFO is empty."""
@@ -250,16 +268,20 @@ class EngineBridge:
         self._loop.call_soon_threadsafe(_set_result, ready)
         sync_q = self._queue.sync_q
         batcher = self._batcher
+        coalesce_s = self.coalesce_s
         try:
             while True:
-                if not batcher.pending and self._take(sync_q.get()):  # idle: block for work
-                    return
+                if not batcher.pending:  # idle: block for work, then let a batch gather
+                    if self._take_all(sync_q.get()):
+                        return
+                    if coalesce_s:
+                        time.sleep(coalesce_s)
                 while True:  # drain everything pending, then step once
                     try:
-                        item = sync_q.get_nowait()
+                        items = sync_q.get_nowait()
                     except janus.SyncQueueEmpty:
                         break
-                    if self._take(item):
+                    if self._take_all(items):
                         return
                 if batcher.pending:
                     self._step()
@@ -272,6 +294,11 @@ class EngineBridge:
                 self.engine.stop()
             except Exception:
                 log.exception("engine failed to stop cleanly")
+
+    def _take_all(self, items: list[tuple[int, int, Any]]) -> bool:
+        """Apply one queue entry (a loop iteration's items); True means stop."""
+        take = self._take
+        return any(take(item) for item in items)
 
     def _take(self, item: tuple[int, int, Any]) -> bool:
         """Apply one item from the queue; True means stop."""

@@ -52,6 +52,7 @@ class DuplexApp:
             max_session_s=config.max_session_s,
             max_sessions_per_client=config.max_sessions_per_client,
             engine_stall_s=config.engine_stall_s,
+            coalesce_ms=config.engine_coalesce_ms,
             engine_factory=None if engine else lambda: build_engine(config),
         )
         self.metrics = Metrics(self.orchestrator)

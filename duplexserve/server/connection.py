@@ -61,6 +61,8 @@ class Connection(ABC):
         self.orch = orchestrator
         self.config = config
         self.codec_pool = codec_pool
+        #: Inline codecs may run straight in the reader (not under --offload-every-frame).
+        self.inline_ok = not config.offload_every_frame
         self.codec_procs = codec_procs  # hosts Opus codecs: pass to make_decoder / make_encoder
         self.query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         self.session: Session | None = None

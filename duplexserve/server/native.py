@@ -58,7 +58,12 @@ class NativeConnection(Connection):
 
     # ------------------------------------------------------------------ incoming
     async def on_binary(self, data: bytes) -> None:
+        decoder = self.decoder
+        assert decoder is not None and self.session is not None
         try:
+            if decoder.inline and self.inline_ok:  # no await on the hot path
+                self.session.receive_audio(decoder.decode(data))
+                return
             samples = await self.decode(data)
         except FormatError as exc:
             raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None

@@ -46,6 +46,7 @@ class Orchestrator:
         max_sessions_per_client: int = 0,
         engine_stall_s: float = 10.0,
         engine_factory: Callable[[], Engine] | None = None,
+        coalesce_ms: float = 0.0,
     ) -> None:
         self.engine = engine
         self.limits = limits
@@ -57,6 +58,7 @@ class Orchestrator:
         self.on_step: Callable[[StepOutput], None] | None = None
         self.counts = Counts()
         self._queue_size = queue_size
+        self._coalesce_s = coalesce_ms / 1000.0
         self.bridge = self._new_bridge(engine)
         self.draining = False
         self.engine_failed = False  # a stalled engine that could not be replaced
@@ -81,6 +83,7 @@ class Orchestrator:
             window=self.limits.inflight_frames,
             on_step=self._observe_step,
             counts=counts,
+            coalesce_s=self._coalesce_s,
         )
 
     def _observe_step(self, out: StepOutput) -> None:

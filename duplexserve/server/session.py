@@ -85,9 +85,13 @@ class Session:
                 raise SessionError("input_ended", "audio after input.end was not accepted")
             return 0
         self.state = State.STREAMING
+        partial = self._partial
+        if len(samples) == FRAME_SAMPLES and not len(partial):  # the common case: one frame
+            self._pending.append(samples)
+            self.frames_in += 1
+            return 1
         if not len(samples):
             return 0
-        partial = self._partial
         if len(partial):
             need = FRAME_SAMPLES - len(partial)
             if len(samples) < need:
