@@ -12,6 +12,9 @@ differs is the frontend in front of it:
 - ``duplexserve``: ``duplexserve serve --engine vllm-omni --vllm-omni-standin``; clients
   speak ``duplex/1``, raw ``pcm_f32le`` both ways.
 
+``floor`` feeds the same engine through duplexserve's bridge in process, with no
+WebSocket and no protocol: what vLLM-Omni's engine costs before any frontend work.
+
 Each server runs pinned to core 0, the load generator on the others, and the two
 alternate inside every repetition. Sessions send one 80 ms frame per message, as fast
 as they can (burst) or on the 80 ms clock (paced). The input is a 16-bit WAV, so the
@@ -355,6 +358,75 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["guards_ok"] for r in rows) else 1
 
 
+def floor(sessions: int, frames: int) -> dict[str, float]:
+    """The engine alone: ``VllmOmniBridge`` fed in process, no WebSocket and no protocol.
+
+    Each session keeps 8 frames in flight (``--inflight-frames``), as duplexserve's
+    orchestrator does; the result is the server CPU per frame that vLLM-Omni's engine
+    and the bridge cost before any frontend work.
+    """
+    import numpy as np
+
+    from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniBridge
+    from duplexserve.engine_bridge.vllm_omni_setup import STANDIN_MODEL, session_payload, standin_builder
+
+    rng = np.random.default_rng(0)
+    pcm = (rng.integers(-16000, 16000, 64 * 1920) / 32768).astype(np.float32).reshape(64, 1920)
+
+    async def go() -> dict[str, float]:
+        sent = [0] * sessions
+        got = [0] * sessions
+        done = asyncio.get_running_loop().create_future()
+
+        def refill(slot: int) -> None:
+            while sent[slot] < frames and sent[slot] - got[slot] < 8:
+                if not bridge.try_submit((slot, 1, pcm[sent[slot] % 64])):
+                    return
+                sent[slot] += 1
+
+        def on_outputs(records: list[Any]) -> None:
+            for rec in records:
+                assert rec.error is None, rec.message
+                for slot in rec.slots.tolist():
+                    got[slot] += 1
+            for slot in range(sessions):
+                refill(slot)
+            if sum(got) == sessions * frames and not done.done():
+                done.set_result(None)
+
+        bridge = VllmOmniBridge(
+            standin_builder(sessions, 5, 0.0),
+            on_outputs,
+            session_payload=session_payload(STANDIN_MODEL, 24000, {}),
+            model=STANDIN_MODEL,
+        )
+        await bridge.start()
+        for slot in range(sessions):
+            bridge.open(slot, 1, {})
+        while any(bridge.session_of(s) is None for s in range(sessions)):
+            await asyncio.sleep(0.01)
+        cpu0, vcsw0 = _usage()
+        t0 = time.monotonic()
+        for slot in range(sessions):
+            refill(slot)
+        await done
+        elapsed = time.monotonic() - t0
+        cpu1, vcsw1 = _usage()
+        engine = bridge.engine.engine_executor_submissions
+        await bridge.stop()
+        n = sessions * frames
+        return {
+            "sessions": sessions,
+            "frames": n,
+            "elapsed_s": elapsed,
+            "cpu_us_per_frame": 1e6 * (cpu1 - cpu0) / n,
+            "vcsw_per_frame": (vcsw1 - vcsw0) / n,
+            "engine_exec_per_frame": engine / n,
+        }
+
+    return asyncio.run(go())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m duplexserve.loadgen.vllm_side_by_side",
@@ -375,7 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-sessions", type=int, default=256)
     r.add_argument("--out", default="bench-out/vllm-omni")
     r.add_argument("--no-pin", action="store_true", help="do not pin server and client to cores")
+    f = sub.add_parser("floor", help="the engine alone, fed in process (pin it: taskset -c 0)")
+    f.add_argument("--sessions", type=int, default=64)
+    f.add_argument("--frames", type=int, default=512)
     args = p.parse_args(argv if argv is not None else (sys.argv[1:] or ["run"]))
+    if args.command == "floor":
+        print(json.dumps(floor(args.sessions, args.frames)))
+        return 0
     if args.command == "serve":
         (serve_vllm_omni if args.frontend == "vllm-omni" else serve_duplexserve)(args.port, args.max_sessions)
         return 0
