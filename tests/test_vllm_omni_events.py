@@ -8,11 +8,13 @@ the same mapping with the real classes out of the real engine.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import wave
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from duplexserve.engine_bridge.vllm_omni_events import InputFramer, OutputFramer, decode_audio
 from duplexserve.server import errors
@@ -101,3 +103,11 @@ def test_input_toward_a_16k_model_goes_in_whole_1280_sample_units():
     units = [u for _ in range(50) for u in framer.push(grid(FRAME))]
     assert all(len(u) == 1280 and u.dtype == np.float32 for u in units)
     assert 47 <= len(units) <= 50  # all but the resampler's own delay, at most one unit per frame on average
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vLLM-Omni is installed here")
+def test_without_vllm_omni_the_server_says_what_to_install(tmp_path):
+    from tests.conftest import start_server
+
+    with pytest.raises(RuntimeError, match=r"pip install 'duplexserve\[vllm-omni\]'"):
+        start_server(str(tmp_path), "--engine", "vllm-omni", "--vllm-omni-standin")

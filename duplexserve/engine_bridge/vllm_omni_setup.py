@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,11 @@ def model_builder(model: str, deploy_config: str, args: dict[str, Any]) -> Calla
 
 
 def vllm_omni_engine_from_config(config: ServerConfig) -> VllmOmniEngine:
+    if importlib.util.find_spec("vllm_omni") is None:
+        raise RuntimeError(
+            "--engine vllm-omni needs vLLM-Omni 0.30 in this environment: "
+            "pip install 'duplexserve[vllm-omni]' (docs/vllm-omni.md)"
+        )
     overrides = _json_object(config.vllm_omni_session, "--vllm-omni-session")
     args = _json_object(config.vllm_omni_args, "--vllm-omni-args")
     if config.vllm_omni_standin:
