@@ -9,6 +9,7 @@ turns whatever the protocol puts on the wire back into calls on a :class:`Sink`:
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -102,3 +103,69 @@ class ClientDriver(ABC):
 
     def on_close(self, code: int | None, reason: str) -> None:
         self.sink.on_disconnect(code, reason)
+
+
+class HangUpWhenAnswered(ClientDriver):
+    """For protocols with no end-of-input message (Moshi, OpenAI Realtime, vLLM-Omni).
+
+    ``end_input`` records how many frames went out; once as many answers came back the
+    driver reports the session ``completed`` and hangs up itself. Futures that the
+    handshake waits on are made on first use (the server's first event may arrive in
+    the same read as the WebSocket handshake) and all fail together if the connection
+    closes before they are set.
+    """
+
+    #: What the driver waits for before audio, named in the error when the socket closes.
+    awaited: ClassVar[str] = "the server's go-ahead"
+    #: The futures the handshake waits on, in order; all fail if the connection does.
+    handshake: ClassVar[tuple[str, ...]] = ("ready",)
+
+    def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
+        super().__init__(input_format, output_format, sink)
+        self._futures: dict[str, asyncio.Future[None]] = {}  # made on first use
+        self._frames_received = 0
+        self._target: int | None = None
+        self._finished = False
+
+    def _future(self, name: str) -> asyncio.Future[None]:
+        future = self._futures.get(name)
+        if future is None:
+            future = self._futures[name] = asyncio.get_running_loop().create_future()
+        return future
+
+    def _resolve(self, name: str) -> None:
+        future = self._future(name)
+        if not future.done():
+            future.set_result(None)
+
+    def _answered(self, frame: bytes, now: float) -> None:
+        """One output frame came back."""
+        self._frames_received += 1
+        self.sink.on_audio(frame, now)
+        self._maybe_finish()
+
+    def _expect(self, frames: int) -> None:
+        """Input is over: ``frames`` answers are due."""
+        self._target = frames
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self._finished or self._target is None or self._frames_received < self._target:
+            return
+        self._finished = True
+        self.sink.on_closed("completed", {})
+        self.hang_up()
+
+    def hang_up(self) -> None:
+        """End the session the way this protocol's clients do."""
+        self.close()
+
+    def _fail_open(self, why: str) -> None:
+        for future in map(self._future, self.handshake):
+            if not future.done():
+                future.set_exception(ConnectionError(why))
+                future.exception()  # retrieved: nobody may be waiting any more
+
+    def on_close(self, code: int | None, reason: str) -> None:
+        self._fail_open(f"closed with {code} before {self.awaited}")
+        super().on_close(code, reason)

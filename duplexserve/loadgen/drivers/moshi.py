@@ -13,7 +13,7 @@ import asyncio
 import struct
 
 from duplexserve.codecs import AudioFormat
-from duplexserve.loadgen.drivers.base import ClientDriver, Sink
+from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
 
 _GRANULES_PER_FRAME = 3840  # 80 ms at 48 kHz, Opus's granule clock
 _AUDIO = b"\x01"
@@ -30,28 +30,20 @@ def last_granule(pages: bytes | memoryview) -> int:
     return granule
 
 
-class MoshiDriver(ClientDriver):
+class MoshiDriver(HangUpWhenAnswered):
     name = "moshi"
     default_path = "/api/chat"
     input_formats = ("opus",)
+    awaited = "the handshake"
 
     def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
         if output_format.format != "opus":
             raise ValueError("the Moshi protocol answers in Ogg/Opus: use output format opus")
         super().__init__(input_format, output_format, sink)
-        self._ready: asyncio.Future[None] | None = None
         self._frames_sent = 0
-        self._frames_received = 0
-        self._target: int | None = None
-        self._finished = False
-
-    def _ready_future(self) -> asyncio.Future[None]:
-        if self._ready is None:
-            self._ready = asyncio.get_running_loop().create_future()
-        return self._ready
 
     async def ready(self, timeout: float) -> None:
-        await asyncio.wait_for(self._ready_future(), timeout)
+        await asyncio.wait_for(self._future("ready"), timeout)
 
     def send_audio(self, chunk: bytes | memoryview) -> None:
         assert self.ws is not None
@@ -61,24 +53,19 @@ class MoshiDriver(ClientDriver):
         self.ws.send_binary(_AUDIO + bytes(chunk))
 
     def end_input(self) -> None:
-        self._target = self._frames_sent
-        self._maybe_finish()
+        self._expect(self._frames_sent)
 
     def on_binary(self, data: bytes, now: float) -> None:
         if not data:
             return
         kind, sink = data[0], self.sink
         if kind == 1:
-            self._frames_received += 1
-            sink.on_audio(data[1:], now)
-            self._maybe_finish()
+            self._answered(data[1:], now)
         elif kind == 2:
             sink.on_text(now)
         elif kind == 0:
             sink.on_ready({"session_id": "", "output": {"format": "opus", "sample_rate": 24000}})
-            ready = self._ready_future()
-            if not ready.done():
-                ready.set_result(None)
+            self._resolve("ready")
         elif kind == 5:
             message = data[1:].decode(errors="replace")
             sink.on_error("moshi_error", message, True)
@@ -88,23 +75,6 @@ class MoshiDriver(ClientDriver):
         self.sink.on_error(
             "unexpected_text", f"the Moshi protocol has no text messages: {text[:80]!r}", False
         )
-
-    def on_close(self, code: int | None, reason: str) -> None:
-        self._fail_open(f"closed with {code} before the handshake")
-        super().on_close(code, reason)
-
-    def _maybe_finish(self) -> None:
-        if self._finished or self._target is None or self._frames_received < self._target:
-            return
-        self._finished = True
-        self.sink.on_closed("completed", {})
-        self.close()
-
-    def _fail_open(self, why: str) -> None:
-        ready = self._ready_future()
-        if not ready.done():
-            ready.set_exception(ConnectionError(why))
-            ready.exception()
 
 
 DRIVER = MoshiDriver

@@ -17,7 +17,7 @@ import base64
 import json
 
 from duplexserve.codecs import FRAME_SAMPLES, AudioFormat
-from duplexserve.loadgen.drivers.base import ClientDriver, Sink
+from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
 
 #: Our output formats -> the GA format objects.
 GA_OUTPUT = {
@@ -33,10 +33,12 @@ _FROM_GA = {
 _APPEND_HEAD = '{"type":"input_audio_buffer.append","audio":"'
 
 
-class RealtimeDriver(ClientDriver):
+class RealtimeDriver(HangUpWhenAnswered):
     name = "realtime"
     default_path = "/v1/realtime"
     input_formats = ("pcm_s16le",)
+    awaited = "session.updated"
+    handshake = ("created", "ready")
 
     def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
         if input_format.sample_rate != 24000:
@@ -45,30 +47,14 @@ class RealtimeDriver(ClientDriver):
         if key not in GA_OUTPUT:
             raise ValueError("Realtime output is pcm_s16le at 24000 Hz or G.711 at 8000 Hz")
         super().__init__(input_format, output_format, sink)
-        self._created: asyncio.Future[None] | None = None
-        self._ready: asyncio.Future[None] | None = None
         self._session_id = ""
         self._bytes_sent = 0
-        self._frames_received = 0
-        self._target: int | None = None
-        self._finished = False
 
     def query(self) -> str:
         return "model=duplexserve"
 
-    def _created_future(self) -> asyncio.Future[None]:
-        """Made on first use: session.created may come in the same read as the handshake."""
-        if self._created is None:
-            self._created = asyncio.get_running_loop().create_future()
-        return self._created
-
-    def _ready_future(self) -> asyncio.Future[None]:
-        if self._ready is None:
-            self._ready = asyncio.get_running_loop().create_future()
-        return self._ready
-
     async def ready(self, timeout: float) -> None:
-        await asyncio.wait_for(self._created_future(), timeout)
+        await asyncio.wait_for(self._future("created"), timeout)
         assert self.ws is not None
         fmt = GA_OUTPUT[(self.output_format.format, self.output_format.sample_rate)]
         self.ws.send_text(
@@ -85,7 +71,7 @@ class RealtimeDriver(ClientDriver):
                 }
             )
         )
-        await asyncio.wait_for(self._ready_future(), timeout)
+        await asyncio.wait_for(self._future("ready"), timeout)
 
     def send_audio(self, chunk: bytes | memoryview) -> None:
         assert self.ws is not None
@@ -93,16 +79,13 @@ class RealtimeDriver(ClientDriver):
         self.ws.send_text(_APPEND_HEAD + base64.b64encode(chunk).decode("ascii") + '"}')
 
     def end_input(self) -> None:
-        self._target = self._bytes_sent // (2 * FRAME_SAMPLES)
-        self._maybe_finish()
+        self._expect(self._bytes_sent // (2 * FRAME_SAMPLES))
 
     def on_text(self, text: str, now: float) -> None:
         sink = self.sink
         if text.startswith('{"type":"response.output_audio.delta"'):  # the server's fixed prefix
             start = text.index('"delta":"') + 9
-            self._frames_received += 1
-            sink.on_audio(base64.b64decode(text[start : text.index('"', start)]), now)
-            self._maybe_finish()
+            self._answered(base64.b64decode(text[start : text.index('"', start)]), now)
             return
         try:
             event = json.loads(text)
@@ -111,23 +94,17 @@ class RealtimeDriver(ClientDriver):
             sink.on_error("bad_event", f"unparsable server event {text[:80]!r}", False)
             return
         if kind == "response.output_audio.delta":  # another server's field order
-            self._frames_received += 1
-            sink.on_audio(base64.b64decode(event["delta"]), now)
-            self._maybe_finish()
+            self._answered(base64.b64decode(event["delta"]), now)
         elif kind == "response.output_audio_transcript.delta":
             sink.on_text(now)
         elif kind == "session.created":
             self._session_id = str(event["session"].get("id", ""))
-            created = self._created_future()
-            if not created.done():
-                created.set_result(None)
+            self._resolve("created")
         elif kind == "session.updated":
             ga = event["session"]["audio"]["output"]["format"]["type"]
             fmt, rate = _FROM_GA.get(ga, (ga, 0))
             sink.on_ready({"session_id": self._session_id, "output": {"format": fmt, "sample_rate": rate}})
-            ready = self._ready_future()
-            if not ready.done():
-                ready.set_result(None)
+            self._resolve("ready")
         elif kind == "error":
             error = event.get("error") or {}
             sink.on_error(str(error.get("code")), str(error.get("message")), False)
@@ -137,23 +114,6 @@ class RealtimeDriver(ClientDriver):
         self.sink.on_error(
             "unexpected_binary", f"a {len(data)}-byte binary message: Realtime is JSON only", False
         )
-
-    def on_close(self, code: int | None, reason: str) -> None:
-        self._fail_open(f"closed with {code} before session.updated")
-        super().on_close(code, reason)
-
-    def _maybe_finish(self) -> None:
-        if self._finished or self._target is None or self._frames_received < self._target:
-            return
-        self._finished = True
-        self.sink.on_closed("completed", {})
-        self.close()
-
-    def _fail_open(self, why: str) -> None:
-        for future in (self._created_future(), self._ready_future()):
-            if not future.done():
-                future.set_exception(ConnectionError(why))
-                future.exception()  # retrieved here; ready() raises it
 
 
 DRIVER = RealtimeDriver

@@ -17,7 +17,7 @@ import base64
 import json
 
 from duplexserve.codecs import FRAME_SAMPLES, AudioFormat
-from duplexserve.loadgen.drivers.base import ClientDriver, Sink
+from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
 
 _FRAME_BYTES = 2 * FRAME_SAMPLES  # one output frame of pcm16
 _DELTA = '"type":"response.output_audio.delta"'
@@ -43,10 +43,12 @@ def session_update(model: str = "duplexserve/standin-echo") -> str:
     )
 
 
-class VllmOmniDriver(ClientDriver):
+class VllmOmniDriver(HangUpWhenAnswered):
     name = "vllm_omni"
     default_path = "/v1/realtime"
     input_formats = ("pcm_f32le",)
+    awaited = "session.created"
+    handshake = ("created",)
 
     def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
         if (input_format.format, input_format.sample_rate) != ("pcm_f32le", 24000):
@@ -54,26 +56,17 @@ class VllmOmniDriver(ClientDriver):
         if (output_format.format, output_format.sample_rate) != ("pcm_s16le", 24000):
             raise ValueError("vLLM-Omni answers pcm16 at 24000 Hz: use --output-format pcm_s16le")
         super().__init__(input_format, output_format, sink)
-        self._created: asyncio.Future[None] | None = None
         self._bytes_sent = 0
         self._audio_end_ms = 0
         self._pending = b""
-        self._frames_received = 0
-        self._target: int | None = None
-        self._finished = False
 
     def query(self) -> str:
         return "duplex=1"
 
-    def _created_future(self) -> asyncio.Future[None]:
-        if self._created is None:
-            self._created = asyncio.get_running_loop().create_future()
-        return self._created
-
     async def ready(self, timeout: float) -> None:
         assert self.ws is not None
         self.ws.send_text(session_update())
-        await asyncio.wait_for(self._created_future(), timeout)
+        await asyncio.wait_for(self._future("created"), timeout)
 
     def send_audio(self, chunk: bytes | memoryview) -> None:
         assert self.ws is not None
@@ -88,8 +81,7 @@ class VllmOmniDriver(ClientDriver):
         )
 
     def end_input(self) -> None:
-        self._target = self._bytes_sent // (4 * FRAME_SAMPLES)
-        self._maybe_finish()
+        self._expect(self._bytes_sent // (4 * FRAME_SAMPLES))
 
     def on_text(self, text: str, now: float) -> None:
         sink = self.sink
@@ -104,9 +96,7 @@ class VllmOmniDriver(ClientDriver):
             whole = len(data) // _FRAME_BYTES * _FRAME_BYTES
             self._pending = data[whole:]
             for i in range(0, whole, _FRAME_BYTES):
-                self._frames_received += 1
-                sink.on_audio(data[i : i + _FRAME_BYTES], now)
-            self._maybe_finish()
+                self._answered(data[i : i + _FRAME_BYTES], now)
         elif kind in ("response.output_audio_transcript.delta", "response.output_text.delta"):
             if event.get("delta"):
                 sink.on_text(now)
@@ -118,9 +108,7 @@ class VllmOmniDriver(ClientDriver):
                     "output": {"format": "pcm_s16le", "sample_rate": 24000},
                 }
             )
-            created = self._created_future()
-            if not created.done():
-                created.set_result(None)
+            self._resolve("created")
         elif kind == "error":
             error = event.get("error") or {}
             sink.on_error(str(error.get("code")), str(error.get("message")), False)
@@ -133,24 +121,10 @@ class VllmOmniDriver(ClientDriver):
             "unexpected_binary", f"a {len(data)}-byte binary message: vLLM-Omni is JSON only", False
         )
 
-    def on_close(self, code: int | None, reason: str) -> None:
-        self._fail_open(f"closed with {code} before session.created")
-        super().on_close(code, reason)
-
-    def _maybe_finish(self) -> None:
-        if self._finished or self._target is None or self._frames_received < self._target:
-            return
-        self._finished = True
-        self.sink.on_closed("completed", {})
+    def hang_up(self) -> None:
         assert self.ws is not None
-        self.ws.send_text(_CLOSE)
+        self.ws.send_text(_CLOSE)  # vLLM-Omni's clients say goodbye before closing
         self.close()
-
-    def _fail_open(self, why: str) -> None:
-        created = self._created_future()
-        if not created.done():
-            created.set_exception(ConnectionError(why))
-            created.exception()
 
 
 DRIVER = VllmOmniDriver
