@@ -40,7 +40,7 @@ class AudioFormat:
             value = int(rate)
         except (TypeError, ValueError):
             raise FormatError(f"sample_rate must be an integer, got {rate!r}") from None
-        if isinstance(rate, float) and rate != value or isinstance(rate, bool):
+        if (isinstance(rate, float) and rate != value) or isinstance(rate, bool):
             raise FormatError(f"sample_rate must be an integer, got {rate!r}")
         if not MIN_RATE <= value <= MAX_RATE:
             raise FormatError(f"sample_rate must be within {MIN_RATE}..{MAX_RATE}, got {value}")
