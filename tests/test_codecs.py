@@ -23,7 +23,7 @@ from duplexserve.codecs import (
     make_encoder,
     pcm,
 )
-from duplexserve.codecs.procpool import CodecProcessError, CodecProcesses
+from duplexserve.codecs.procpool import COST, OP_OPEN_ENCODER, CodecProcessError, CodecProcesses
 from duplexserve.codecs.resample import FrameResampler, frame_samples_total
 
 RNG = np.random.default_rng(1234)
@@ -373,6 +373,23 @@ def test_a_dead_codec_process_fails_its_sessions_not_the_caller():
     asyncio.run(main())
 
 
+def test_codecs_spread_over_workers_by_cost():
+    async def main():
+        procs = CodecProcesses(2)
+        try:
+            codecs = []
+            for _ in range(10):  # ten sessions, each opening its decoder then its encoder
+                codecs += [make_decoder(AudioFormat("opus"), procs), make_encoder(AudioFormat("opus"), procs)]
+            loads = sorted(w.load for w in procs._workers)
+            assert loads[1] - loads[0] <= COST[OP_OPEN_ENCODER]  # counting codecs: 10 against 80
+            kinds = [{type(c).__name__ for c in codecs if c._worker is w} for w in procs._workers]
+            assert all(k == {"RemoteOpusDecoder", "RemoteOpusEncoder"} for k in kinds)
+        finally:
+            procs.close()
+
+    asyncio.run(main())
+
+
 def test_a_dropped_remote_codec_is_freed_in_its_worker():
     async def main():
         procs = CodecProcesses(1)
@@ -380,11 +397,11 @@ def test_a_dropped_remote_codec_is_freed_in_its_worker():
             enc = make_encoder(AudioFormat("opus"), procs)
             worker = enc._worker
             assert (await enc.encode_async(tone(500, 0.08))).startswith(b"OggS")
-            assert worker.open_codecs == 1
+            assert worker.load == COST[OP_OPEN_ENCODER]
             del enc
             gc.collect()
             await asyncio.sleep(0.05)  # the release runs on the loop
-            assert worker.open_codecs == 0
+            assert worker.load == 0
         finally:
             procs.close()
 

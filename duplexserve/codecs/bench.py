@@ -3,7 +3,9 @@
 ``python -m duplexserve.codecs.bench [--json out.json]`` measures, in one process:
 
 1. ``paths``: CPU time of one thread per frame to decode and to encode each wire format,
-   80 ms messages of a speech-like signal (the inline cost on the event loop).
+   80 ms messages of speech made with espeak-ng (the inline cost on the event loop).
+   ``opus_signals``: Opus by kind of signal, since libopus's mode, set by the signal,
+   decides its cost.
 2. ``gil``: whether soxr and sphn release the GIL. A pure-Python counter runs on the
    main thread beside a thread calling the codec in a loop, and beside two references:
    hashing 1 MB (C code that releases the GIL) and ``sum`` over a range (C code that
@@ -24,13 +26,18 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import statistics
+import subprocess
+import tempfile
 import threading
 import time
+import wave
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import soxr
 
 from duplexserve.codecs import FRAME_SAMPLES, MODEL_RATE, AudioFormat, make_decoder, make_encoder
 from duplexserve.codecs.procpool import CodecProcesses
@@ -59,6 +66,68 @@ def speechlike(seconds: float, rate: int = MODEL_RATE, seed: int = 0) -> np.ndar
     return (x + 0.01 * rng.standard_normal(len(t))).astype(np.float32)
 
 
+SPEECH_TEXT = (
+    "Full duplex speech models listen and talk at the same time. Every eighty milliseconds the "
+    "server takes one frame from each conversation, runs the model once for all of them, and "
+    "sends one frame back to each. The frontend must keep up with every session at once."
+)
+
+
+def espeak_speech(seconds: float) -> np.ndarray | None:
+    """Real speech from espeak-ng at 24 kHz, looped to ``seconds``; None without espeak-ng."""
+    if shutil.which("espeak-ng") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "speech.wav")
+        subprocess.run(["espeak-ng", "-w", path, SPEECH_TEXT], check=True, capture_output=True)
+        with wave.open(path) as w:
+            rate = w.getframerate()
+            raw = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    x = soxr.resample(raw, rate, MODEL_RATE).astype(np.float32)
+    return np.resize(x, int(seconds * MODEL_RATE))
+
+
+def model_signal(seconds: float) -> tuple[np.ndarray, str]:
+    """What the benchmarks feed: speech when espeak-ng is there, else the tone mix.
+
+    The signal matters for Opus only, and much: libopus (through sphn) takes its cheap
+    CELT path for steady tones (about 0.35 ms a frame) and its SILK path for speech, noise
+    and silence (about 1.3 ms a frame), so tones would understate a real session's cost.
+    """
+    speech = espeak_speech(seconds)
+    if speech is not None:
+        return speech, "espeak-ng speech"
+    return speechlike(seconds), "tone mix (espeak-ng missing: Opus costs are understated)"
+
+
+def bench_opus_signals(frames: int = 60) -> dict[str, dict[str, float]]:
+    """Opus cost per frame by kind of signal: the encoder's mode, not the code, sets it."""
+    signals = {"tone mix": speechlike(frames * 0.08), "silence": np.zeros(frames * FRAME_SAMPLES, np.float32),
+               "noise at -30 dBFS": (0.03 * np.random.default_rng(0).standard_normal(frames * FRAME_SAMPLES))
+               .astype(np.float32)}
+    speech = espeak_speech(frames * 0.08)
+    if speech is not None:
+        signals["espeak-ng speech"] = speech
+    out = {}
+    for name, x in signals.items():
+        chunks = list(x[: frames * FRAME_SAMPLES].reshape(-1, FRAME_SAMPLES))
+        enc, costs, pages = make_encoder(AudioFormat("opus")), [], []
+        for f in chunks:
+            t0 = time.thread_time()
+            pages.append(enc.encode(f))
+            costs.append(time.thread_time() - t0)
+        dec = make_decoder(AudioFormat("opus"))
+        t0 = time.thread_time()
+        for page in pages:
+            dec.decode(page)
+        out[name] = {
+            "encode_first_10_frames_us": round(1e6 * statistics.mean(costs[:10]), 1),
+            "encode_us": round(1e6 * statistics.mean(costs[12:]), 1),
+            "decode_us": round(1e6 * (time.thread_time() - t0) / len(pages), 1),
+        }
+    return out
+
+
 def _per_call_us(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
     """Median over ``repeats`` of this thread's CPU time per call, in microseconds."""
     fn()
@@ -72,7 +141,7 @@ def _per_call_us(fn: Callable[[], object], calls: int, repeats: int = 5) -> floa
 
 
 def bench_paths(frames: int = 200) -> list[dict[str, object]]:
-    model = speechlike(frames * 0.08)
+    model, _ = model_signal(frames * 0.08)
     model_frames = list(model.reshape(-1, FRAME_SAMPLES))
     rows = []
     for fmt in PATHS:
@@ -207,7 +276,7 @@ def bench_hop(calls: int = 20000) -> dict[str, float]:
 
 def bench_opus_offload(sessions: int = 64, frames: int = 40, workers: int = 2) -> list[dict[str, object]]:
     """Each session decodes one client page pair and encodes one model frame per frame."""
-    model = speechlike(frames * 0.08)
+    model, _ = model_signal(frames * 0.08)
     model_frames = list(model.reshape(-1, FRAME_SAMPLES))
     client = make_encoder(AudioFormat("opus"))
     pages = [client.encode(f) for f in model_frames]
@@ -267,13 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=200, help="frames per path measurement")
     args = parser.parse_args(argv)
 
-    result: dict[str, object] = {"cpu_count": os.cpu_count()}
+    result: dict[str, object] = {"cpu_count": os.cpu_count(), "signal": model_signal(0.08)[1]}
+    print(f"signal: {result['signal']}")
     print(f"{'path':22s} {'decode us/frame':>16s} {'encode us/frame':>16s}  runs")
     result["paths"] = paths = bench_paths(args.frames)
     for row in paths:
         where = "inline" if row["inline"] else "off the loop"
         print(f"{row['format'] + '@' + str(row['sample_rate']):22s} {row['decode_us']:16.1f} "
               f"{row['encode_us']:16.1f}  {where}")
+    result["opus_signals"] = signals = bench_opus_signals()
+    print("\nOpus by signal (us per frame; the encoder's first 10 frames apart):")
+    for name, row in signals.items():
+        print(f"  {name:20s} encode {row['encode_us']:7.1f}  first 10 {row['encode_first_10_frames_us']:7.1f}"
+              f"  decode {row['decode_us']:6.1f}")
     result["gil"] = gil = bench_gil()
     print("\nGIL left to other threads (1.0: like C code that releases it, 0.0: like C code that holds it):")
     for name, value in gil.items():

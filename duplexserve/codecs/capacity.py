@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from duplexserve.codecs import FRAME_SAMPLES, AudioFormat, make_decoder, make_encoder
-from duplexserve.codecs.bench import speechlike
+from duplexserve.codecs.bench import model_signal
 from duplexserve.loadgen import metrics as lm
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.scrape import scrape
@@ -184,8 +184,11 @@ def _echo_correlation(session: OpusSession) -> float:
 
 
 def opus_stream(seconds: float) -> list[bytes]:
-    """The client's stream: one message per 80 ms frame (two Ogg pages), encoded once."""
-    x = speechlike(seconds)
+    """The client's stream: one message per 80 ms frame (two Ogg pages), encoded once.
+
+    Speech (espeak-ng), as Opus costs several times more on speech than on steady tones.
+    """
+    x, _ = model_signal(seconds)
     x = x[: len(x) // FRAME_SAMPLES * FRAME_SAMPLES]
     enc = make_encoder(AudioFormat("opus"))
     return [enc.encode(f) for f in x.reshape(-1, FRAME_SAMPLES)]
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = _start_server(port, args.server_flags.split())
         url = f"ws://127.0.0.1:{port}/v1/duplex"
     messages = opus_stream(args.seconds)
+    print(f"signal: {model_signal(0.08)[1]}")
     results = []
     try:
         asyncio.run(run_level(url, 2, messages[:13], 0.1, args.timeout_s))  # warm-up: workers start

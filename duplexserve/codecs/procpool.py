@@ -3,7 +3,7 @@
 sphn keeps the GIL while it encodes, so on a thread it would only take turns with the
 event loop; in a process it runs on another core. Each worker is a child process
 (``worker.py``) behind a Unix socket pair. A session's codec lives in one worker, chosen
-when it opens (the one with the fewest open codecs), and all its requests go there; the
+when it opens (the one with the least open cost, ``COST``), and all its requests go there; the
 worker answers in the order it was asked, so replies are matched to waiting futures by
 order alone. On the loop side the requests made in one loop iteration (every session's
 encode after an engine step, say) leave in one ``sendmsg``, and replies are read by a
@@ -36,6 +36,12 @@ REQUEST = struct.Struct("<BII")
 REPLY = struct.Struct("<BI")
 OP_OPEN_DECODER, OP_OPEN_ENCODER, OP_DECODE, OP_ENCODE, OP_CLOSE = range(5)
 OK, FORMAT_ERROR, FAILED = range(3)
+#: What a codec costs its worker per frame, in units of an Opus decode: encoding is 4 to
+#: 13 times dearer (python -m duplexserve.codecs.bench: decode 75-120 us; encode 330 us on
+#: steady tones, 1300 us on speech or silence). A new codec goes to the worker with the
+#: least open cost; counting codecs instead would put every session's decoder on one
+#: worker and every encoder on the other.
+COST = {OP_OPEN_DECODER: 1, OP_OPEN_ENCODER: 8}
 _SOCKET_BUFFER = 4 << 20
 _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 RECV_SIZE = 256 << 10
@@ -64,7 +70,7 @@ class _Worker:
         self.sock, self.loop = parent, loop
         self.fd = parent.fileno()
         self.alive = True
-        self.open_codecs = 0
+        self.load = 0  # cost units of the codecs open here (COST)
         self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._unsent: collections.deque[bytes] = collections.deque()
         self._batch: list[bytes | memoryview] = []  # requests of this loop iteration, not yet sent
@@ -216,14 +222,14 @@ class CodecProcesses:
             worker = _Worker(asyncio.get_running_loop())
             self._workers.append(worker)
             return worker
-        return min(self._workers, key=lambda w: w.open_codecs)
+        return min(self._workers, key=lambda w: w.load)
 
-    def _open(self, op: int) -> tuple[_Worker, int]:
+    def _open(self, op: int) -> tuple[_Worker, int, int]:
         worker = self._pick()
         self._next_id = cid = (self._next_id + 1) & 0xFFFFFFFF
         worker.request(op, cid)
-        worker.open_codecs += 1
-        return worker, cid
+        worker.load += COST[op]
+        return worker, cid, COST[op]
 
     def opus_decoder(self) -> RemoteOpusDecoder:
         return RemoteOpusDecoder(*self._open(OP_OPEN_DECODER))
@@ -244,15 +250,15 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _release(worker: _Worker, cid: int) -> None:
+def _release(worker: _Worker, cid: int, cost: int) -> None:
     """Free a codec in its worker. A finalizer can run on whichever thread collects the
     codec object, so hand the work to the loop thread."""
     with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is gone too
-        worker.loop.call_soon_threadsafe(_release_on_loop, worker, cid)
+        worker.loop.call_soon_threadsafe(_release_on_loop, worker, cid, cost)
 
 
-def _release_on_loop(worker: _Worker, cid: int) -> None:
-    worker.open_codecs -= 1
+def _release_on_loop(worker: _Worker, cid: int, cost: int) -> None:
+    worker.load -= cost
     if worker.alive:
         with contextlib.suppress(CodecProcessError):
             worker.request(OP_CLOSE, cid)
@@ -264,9 +270,9 @@ class _RemoteCodec:
     inline = False
     remote = True  # Connection awaits decode_async / encode_async instead of a pool hop
 
-    def __init__(self, worker: _Worker, cid: int) -> None:
+    def __init__(self, worker: _Worker, cid: int, cost: int) -> None:
         self._worker, self._cid = worker, cid
-        self._release = weakref.finalize(self, _release, worker, cid)
+        self._release = weakref.finalize(self, _release, worker, cid, cost)
         self._release.atexit = False
 
     def close(self) -> None:
