@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from duplexserve.codecs import FRAME_SAMPLES, AudioFormat, make_decoder, make_encoder
-from duplexserve.codecs.bench import model_signal
+from duplexserve.codecs.bench import model_signal, speechlike
 from duplexserve.loadgen import metrics as lm
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.scrape import scrape
@@ -183,12 +183,13 @@ def _echo_correlation(session: OpusSession) -> float:
     return float(np.corrcoef(a[:m], b[lag: lag + m])[0, 1])
 
 
-def opus_stream(seconds: float) -> list[bytes]:
+def opus_stream(seconds: float, signal: str = "speech") -> list[bytes]:
     """The client's stream: one message per 80 ms frame (two Ogg pages), encoded once.
 
-    Speech (espeak-ng), as Opus costs several times more on speech than on steady tones.
+    Speech (espeak-ng) by default: Opus costs several times more on speech than on the
+    steady tones of ``--signal tones`` (libopus's SILK path against its CELT path).
     """
-    x, _ = model_signal(seconds)
+    x = model_signal(seconds)[0] if signal == "speech" else speechlike(seconds)
     x = x[: len(x) // FRAME_SAMPLES * FRAME_SAMPLES]
     enc = make_encoder(AudioFormat("opus"))
     return [enc.encode(f) for f in x.reshape(-1, FRAME_SAMPLES)]
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", default="50,100,150,200,250", help="levels, comma-separated")
     p.add_argument("--seconds", type=float, default=30.0, help="audio per session")
     p.add_argument("--ramp-s", type=float, default=1.0, help="spread of the session starts")
+    p.add_argument("--signal", choices=("speech", "tones"), default="speech",
+                   help="what the sessions say: espeak-ng speech, or steady tones (Opus's cheap path)")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -232,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             port = s.getsockname()[1]
         proc = _start_server(port, args.server_flags.split())
         url = f"ws://127.0.0.1:{port}/v1/duplex"
-    messages = opus_stream(args.seconds)
-    print(f"signal: {model_signal(0.08)[1]}")
+    messages = opus_stream(args.seconds, args.signal)
+    print(f"signal: {model_signal(0.08)[1] if args.signal == 'speech' else 'tone mix'}")
     results = []
     try:
         asyncio.run(run_level(url, 2, messages[:13], 0.1, args.timeout_s))  # warm-up: workers start
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"url": url, "seconds": args.seconds, "server_flags": args.server_flags,
-                       "cpu_count": os.cpu_count(), "levels": results}, f, indent=2)
+                       "signal": args.signal, "ramp_s": args.ramp_s, "cpu_count": os.cpu_count(),
+                       "levels": results}, f, indent=2)
     held = [r["sessions"] for r in results if r["held"]]
     print(f"held: {held or 'none'}")
     return 0
