@@ -79,6 +79,10 @@ class ServerConfig:
     codec_processes: int = _opt(
         2, "worker processes holding Opus codec state (sphn holds the GIL); 0: Opus runs on the event loop"
     )
+    opus_complexity: int = _opt(
+        5, "Opus output: libopus encoder complexity, 0 (cheapest) to 10, application AUDIO (docs/codecs.md); "
+        "ignored when libopus cannot be loaded and sphn encodes"
+    )
 
     engine_coalesce_ms: float = _opt(
         1.0,
@@ -192,6 +196,8 @@ class ServerConfig:
                              "--engine-process does not apply")
         if self.codec_threads < 1 or self.codec_processes < 0:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
+        if not 0 <= self.opus_complexity <= 10:
+            raise ValueError("opus_complexity must be 0..10")
 
 
 def _from_env(name: str, default: Any) -> Any:

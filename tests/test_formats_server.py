@@ -20,6 +20,8 @@ import soxr
 import websockets
 
 from duplexserve.codecs import FRAME_SAMPLES, MODEL_RATE, AudioFormat, make_decoder, make_encoder
+from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, LIBOPUS
+from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.codecs.resample import frame_samples_total
 from tests.native_client import Result, converse
 
@@ -50,9 +52,10 @@ def wire_messages(x: np.ndarray, fmt: AudioFormat, message_ms: int) -> list[byte
     return [wire[i : i + step] for i in range(0, len(wire), step)]
 
 
-def expected_answer(messages: list[bytes], inp: AudioFormat, out: AudioFormat) -> list[bytes]:
+def expected_answer(messages: list[bytes], inp: AudioFormat, out: AudioFormat,
+                    opus_complexity: int = DEFAULT_COMPLEXITY) -> list[bytes]:
     """What the server must send back: its decoder, the echo, then its encoder, replayed."""
-    dec, enc = make_decoder(inp), make_encoder(out)
+    dec, enc = make_decoder(inp), make_encoder(out, CodecProcesses(0, opus_complexity))
     model = np.concatenate([dec.decode(m) for m in messages] + [dec.flush()])
     model = np.concatenate((model, np.zeros(-len(model) % FRAME_SAMPLES, np.float32)))
     return [enc.encode(f) for f in model.reshape(-1, FRAME_SAMPLES)]
@@ -82,7 +85,8 @@ def query(inp: AudioFormat, out: AudioFormat) -> str:
     })
 
 
-async def stream(server, inp: AudioFormat, out: AudioFormat, seed: int, message_ms: int = 20) -> Result:
+async def stream(server, inp: AudioFormat, out: AudioFormat, seed: int, message_ms: int = 20,
+                 opus_complexity: int = DEFAULT_COMPLEXITY) -> Result:
     """One session streaming ``SECONDS`` of audio; checks everything about its answer."""
     x = speechlike(inp.sample_rate, seed)
     messages = wire_messages(x, inp, message_ms)
@@ -90,11 +94,13 @@ async def stream(server, inp: AudioFormat, out: AudioFormat, seed: int, message_
     assert res.created["input"] == inp.describe() and res.created["output"] == out.describe()
     assert res.closed is not None and res.closed["reason"] == "completed", res.events
     assert res.closed["frames_dropped"] == 0 and not res.of_type("error")
-    expected = expected_answer(messages, inp, out)
+    expected = expected_answer(messages, inp, out, opus_complexity)
     assert len(res.frames) == len(expected) == res.closed["frames_out"]
     assert res.frames == expected  # byte for byte what the server's own codecs give
     if out.format == "opus":
         assert b"OpusHead" in res.frames[0] and b"OpusTags" in res.frames[0]
+        if LIBOPUS is not None:  # the libopus writer (libopus.py) names itself in OpusTags, sphn's does not
+            assert b"duplexserve" in res.frames[0] and b"KyutaiMoshi" not in res.frames[0]
     else:
         width = {"pcm_f32le": 4, "pcm_s16le": 2}.get(out.format, 1)
         sizes = [len(f) // width for f in res.frames]
@@ -222,6 +228,13 @@ def test_opus_inline_without_codec_processes(server_factory):
     before = metric(server, "executor_submissions")
     asyncio.run(stream(server, AudioFormat("opus"), AudioFormat("opus"), seed=5))
     assert metric(server, "executor_submissions") == before  # sphn runs on the loop, no hop
+
+
+@pytest.mark.parametrize("processes", ["0", "1"])
+def test_opus_complexity_setting_reaches_the_encoder(server_factory, processes):
+    server = server_factory("--opus-complexity", "0", "--codec-processes", processes)
+    inp, out = AudioFormat("pcm_s16le", 24000), AudioFormat("opus")
+    asyncio.run(stream(server, inp, out, seed=9, opus_complexity=0))
 
 
 def test_a_dead_codec_worker_ends_its_sessions_and_the_server_goes_on(server_factory):

@@ -40,6 +40,8 @@ import numpy as np
 import soxr
 
 from duplexserve.codecs import FRAME_SAMPLES, MODEL_RATE, AudioFormat, make_decoder, make_encoder
+from duplexserve.codecs.libopus import LIBOPUS, LibopusStreamEncoder
+from duplexserve.codecs.opus import OpusStreamEncoder
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.codecs.resample import StreamResampler
 
@@ -125,6 +127,28 @@ def bench_opus_signals(frames: int = 60) -> dict[str, dict[str, float]]:
             "encode_us": round(1e6 * statistics.mean(costs[12:]), 1),
             "decode_us": round(1e6 * (time.thread_time() - t0) / len(pages), 1),
         }
+    return out
+
+
+def bench_opus_encoders(frames: int = 250, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Ogg/Opus output encoders on speech: sphn's writer against libopus at complexity 0/5/10."""
+    x, _ = model_signal(frames * 0.08)
+    chunks = list(x[: frames * FRAME_SAMPLES].reshape(-1, FRAME_SAMPLES))
+    makers: dict[str, Callable[[], object]] = {"sphn (complexity 10, voip)": OpusStreamEncoder}
+    if LIBOPUS is not None:
+        for c in (0, 5, 10):
+            makers[f"libopus complexity {c}"] = lambda c=c: LibopusStreamEncoder(c)
+    out = {}
+    for name, make in makers.items():
+        best, size = float("inf"), 0
+        for _ in range(repeats):
+            enc = make()
+            enc.encode(chunks[0])  # the headers
+            t0 = time.thread_time()
+            size = sum(len(enc.encode(f)) for f in chunks[1:])
+            best = min(best, (time.thread_time() - t0) / (len(chunks) - 1))
+        out[name] = {"encode_us": round(1e6 * best, 1),
+                     "kbit_s": round(8 * size / (0.08 * (len(chunks) - 1)) / 1000, 1)}
     return out
 
 
@@ -334,10 +358,22 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--frames", type=int, default=200, help="frames per path measurement")
+    parser.add_argument("--opus-encoders", action="store_true",
+                        help="only compare the Ogg/Opus output encoders (sphn, libopus at complexity 0/5/10)")
     args = parser.parse_args(argv)
 
     result: dict[str, object] = {"cpu_count": os.cpu_count(), "signal": model_signal(0.08)[1]}
     print(f"signal: {result['signal']}")
+    result["opus_encoders"] = encoders = bench_opus_encoders()
+    print("Ogg/Opus output encoders (CPU us per 80 ms frame, best of 3; bitrate incl. Ogg pages):")
+    for name, row in encoders.items():
+        print(f"  {name:28s} {row['encode_us']:7.1f} us  {row['kbit_s']:5.1f} kbit/s")
+    if args.opus_encoders:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
+    print()
     print(f"{'path':22s} {'decode us/frame':>16s} {'encode us/frame':>16s}  runs")
     result["paths"] = paths = bench_paths(args.frames)
     for row in paths:

@@ -8,7 +8,8 @@ int16, G.711 or Ogg/Opus) composed with a streaming resampler when the wire rate
 - ``inline`` True: run where called, on the event-loop thread. Pass-through, int16 and
   G.711 (a few microseconds a frame), resampling up to 96 kHz (9-35 us, less than the
   thread hop it would need), and Opus when no codec process is configured (sphn holds
-  the GIL, so a thread would not run it beside the loop anyway).
+  the GIL, so a thread would not run it beside the loop anyway; the libopus encoder,
+  ``libopus.py``, releases it but costs 80-200 us a frame, about a thread hop).
 - ``inline`` False, ``remote`` False: the connection runs it on the codec thread pool.
   Resampling above 96 kHz: soxr releases the GIL and a frame costs over two hops.
 - ``remote`` True: the codec's state lives in a codec worker process; the connection
@@ -27,7 +28,8 @@ import numpy as np
 
 from duplexserve.codecs import g711, pcm
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
-from duplexserve.codecs.opus import OpusStreamDecoder, OpusStreamEncoder
+from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
+from duplexserve.codecs.opus import OpusStreamDecoder
 from duplexserve.codecs.resample import FrameResampler, StreamResampler, runs_inline
 
 if TYPE_CHECKING:
@@ -150,7 +152,10 @@ def make_encoder(fmt: AudioFormat, procs: CodecProcesses | None = None) -> Encod
     if fmt.format == "opus":
         if fmt.sample_rate != MODEL_RATE:
             raise FormatError("opus is always 24000 Hz")
-        return procs.opus_encoder() if procs is not None and procs.enabled else OpusStreamEncoder()
+        if procs is not None and procs.enabled:
+            return procs.opus_encoder()
+        # libopus at the configured complexity (libopus.py); sphn when libopus cannot load.
+        return make_opus_encoder(procs.opus_complexity if procs is not None else DEFAULT_COMPLEXITY)
     if fmt.format not in FROM_F32:
         raise FormatError(f"output {fmt.format} at {fmt.sample_rate} Hz is not supported")
     return PcmEncoder(fmt)

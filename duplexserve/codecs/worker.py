@@ -18,13 +18,14 @@ import numpy as np
 
 from duplexserve.codecs import procpool as pp
 from duplexserve.codecs.formats import FormatError
+from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, LibopusStreamEncoder, make_opus_encoder
 from duplexserve.codecs.opus import OpusStreamDecoder, OpusStreamEncoder
 
 _FLUSH_AFTER_S = 0.001
 
 
 def serve(sock: socket.socket) -> None:
-    codecs: dict[int, OpusStreamDecoder | OpusStreamEncoder] = {}
+    codecs: dict[int, OpusStreamDecoder | OpusStreamEncoder | LibopusStreamEncoder] = {}
     buf = bytearray()
     hdr = pp.REQUEST.size
     chunk = bytearray(pp.RECV_SIZE)  # reused: recv(n) would allocate n bytes a call
@@ -62,7 +63,7 @@ def _handle(codecs: dict, op: int, cid: int, payload: bytes) -> tuple[int, bytes
         codecs[cid] = OpusStreamDecoder()
         return None
     if op == pp.OP_OPEN_ENCODER:
-        codecs[cid] = OpusStreamEncoder()
+        codecs[cid] = make_opus_encoder(payload[0] if payload else DEFAULT_COMPLEXITY)
         return None
     if op == pp.OP_CLOSE:
         codecs.pop(cid, None)
@@ -71,7 +72,7 @@ def _handle(codecs: dict, op: int, cid: int, payload: bytes) -> tuple[int, bytes
     try:
         if op == pp.OP_DECODE and isinstance(codec, OpusStreamDecoder):
             return pp.OK, codec.decode(payload).tobytes()
-        if op == pp.OP_ENCODE and isinstance(codec, OpusStreamEncoder):
+        if op == pp.OP_ENCODE and isinstance(codec, (OpusStreamEncoder, LibopusStreamEncoder)):
             return pp.OK, codec.encode(np.frombuffer(payload, dtype=np.float32))
         return pp.FAILED, f"no codec {cid} for operation {op}".encode()
     except FormatError as exc:
