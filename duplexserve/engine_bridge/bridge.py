@@ -34,6 +34,7 @@ import numpy as np
 
 from duplexserve.engine_bridge.batcher import SlotBatcher
 from duplexserve.engine_bridge.engine import Engine
+from duplexserve.engine_bridge.overflow import OrderedPutter
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +105,8 @@ class EngineBridge:
         self._ready: asyncio.Future[None] | None = None
         # Loop -> engine: the items of one loop iteration, then the slow path.
         self._batch: list[tuple[int, int, Any]] = []
-        self._overflow: collections.deque[list[tuple[int, int, Any]]] = collections.deque()
-        self._overflow_lock = threading.Lock()
-        self._draining = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-put")
+        self._putter: OrderedPutter[list[tuple[int, int, Any]]] | None = None
         # Engine -> loop.
         self._results: collections.deque[StepOutput] = collections.deque()
         self._wake_pending = False
@@ -120,6 +119,13 @@ class EngineBridge:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = janus.Queue(maxsize=self._queue_size)
+        self._putter = OrderedPutter(
+            self._queue.async_q.put_nowait,
+            self._queue.sync_q.put,
+            asyncio.QueueFull,
+            self.counts,
+            self._executor,
+        )
         self._ready = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -154,8 +160,8 @@ class EngineBridge:
         tries again when the engine's next results wake the loop: a full queue is waited
         out on the loop, in order, with no thread hop and no extra wake-up.
         """
-        assert self._queue is not None
-        if self._overflow or self._queue.async_q.full():
+        assert self._queue is not None and self._putter is not None
+        if self._putter.backed_up or self._queue.async_q.full():
             self.counts.full_waits += 1
             return False
         self._enqueue(item)
@@ -173,24 +179,10 @@ class EngineBridge:
     def _flush(self) -> None:
         """Put the iteration's items with one ``put_nowait``: one lock, one wake-up."""
         batch, self._batch = self._batch, []
-        if self.abandoned or self._queue is None:
+        if self.abandoned or self._putter is None:
             return
-        if not self._overflow:
-            try:
-                self._queue.async_q.put_nowait(batch)
-            except asyncio.QueueFull:
-                pass
-            else:
-                self.counts.queue_puts += 1
-                return
-        self.counts.slow_puts += len(batch)
-        with self._overflow_lock:
-            self._overflow.append(batch)
-            if self._draining:
-                return
-            self._draining = True
-        self.counts.executor_submissions += 1
-        self._executor.submit(self._drain_overflow)
+        if self._putter.put(batch, len(batch)):
+            self.counts.queue_puts += 1
 
     def submit(self, item: tuple[int, int, Any]) -> None:
         """Hand a control (open, close) to the engine thread, in order with the frames.
@@ -213,27 +205,6 @@ class EngineBridge:
         self.counts.executor_submissions += 1
         self.counts.slow_puts += 1
         await self._loop.run_in_executor(None, self._queue.sync_q.put, [item])
-
-    def _drain_overflow(self) -> None:
-        """Runs on the executor: blocking puts until the overflow FIFO is empty."""
-        assert self._queue is not None
-        sync_q = self._queue.sync_q
-        while True:
-            with self._overflow_lock:
-                if not self._overflow:
-                    self._draining = False
-                    return
-                item = self._overflow[0]
-            try:
-                sync_q.put(item)
-            except (janus.SyncQueueShutDown, RuntimeError):
-                with self._overflow_lock:
-                    self._overflow.clear()
-                    self._draining = False
-                return
-            # Removed only once it is in the queue: the loop queues behind it until then.
-            with self._overflow_lock:
-                self._overflow.popleft()
 
     def _deliver(self) -> None:
         self._wake_pending = False

@@ -48,6 +48,7 @@ import numpy as np
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.engine_bridge.bridge import BridgeCounts
 from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.overflow import OrderedPutter
 from duplexserve.engine_bridge.vllm_omni_events import (
     FATAL_CODES,
     MODEL_RATE,
@@ -145,9 +146,7 @@ class VllmOmniBridge:
         self._tasks: set[asyncio.Task[None]] = set()
         # Loop -> engine slow path.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-omni-put")
-        self._overflow: collections.deque[Any] = collections.deque()
-        self._overflow_lock = threading.Lock()
-        self._draining = False
+        self._putter: OrderedPutter[Any] | None = None
         # Engine -> loop.
         self._drain_thread: threading.Thread | None = None
         self._results: collections.deque[Any] = collections.deque()
@@ -165,6 +164,15 @@ class VllmOmniBridge:
         self._append, self._message = AppendAudio, DuplexSessionCommandMessage
         self._session_config = DuplexOmni._resolve_session_config(self._session_payload, model=self._model)
         self._sync_q = self.engine.request_queue.sync_q
+        self._putter = OrderedPutter(
+            self._sync_q.put_nowait,
+            lambda message: self._sync_q.put(message, timeout=self._put_timeout_s),
+            queue.Full,
+            self.counts,
+            self._executor,
+            timed_out=queue.Full,
+            on_timeout=self._stuck,
+        )
         self._drain_thread = threading.Thread(
             target=self._drain_outputs, name="vllm-omni-events", daemon=True
         )
@@ -193,7 +201,9 @@ class VllmOmniBridge:
         """Part of the bridge interface; vLLM-Omni has its own engine liveness, so a no-op."""
 
     def qsize(self) -> int:
-        return self._sync_q.qsize() + len(self._overflow) if self.engine is not None else 0
+        if self.engine is None or self._putter is None:
+            return 0
+        return self._sync_q.qsize() + len(self._putter)
 
     # ------------------------------------------------------------- session control
     def open(self, slot: int, generation: int, params: dict[str, Any]) -> None:
@@ -297,7 +307,7 @@ class VllmOmniBridge:
         if not state.ready:
             state.pending.append(frame)
             return True
-        if self._overflow:
+        if self._putter is not None and self._putter.backed_up:
             self.counts.full_waits += 1
             return False
         if state.resampler is None:
@@ -362,44 +372,14 @@ class VllmOmniBridge:
         ]
 
     def _put(self, message: Any) -> None:
-        if not self._overflow:
-            try:
-                self._sync_q.put_nowait(message)
-            except queue.Full:
-                pass
-            else:
-                self.counts.fast_puts += 1
-                return
-        self.counts.slow_puts += 1
-        with self._overflow_lock:
-            self._overflow.append(message)
-            if self._draining:
-                return
-            self._draining = True
-        self.counts.executor_submissions += 1
-        self._executor.submit(self._drain_overflow)
+        assert self._putter is not None
+        if self._putter.put(message):
+            self.counts.fast_puts += 1
 
-    def _drain_overflow(self) -> None:
-        """Executor thread: blocking puts (vLLM-Omni's 30 s bound) until the FIFO is empty."""
-        sync_q = self._sync_q
-        while True:
-            with self._overflow_lock:
-                if not self._overflow:
-                    self._draining = False
-                    return
-                message = self._overflow[0]
-            try:
-                sync_q.put(message, timeout=self._put_timeout_s)
-            except queue.Full:
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._backpressure, message.session_id)
-            except Exception:  # the queue was closed at shutdown
-                with self._overflow_lock:
-                    self._overflow.clear()
-                    self._draining = False
-                return
-            with self._overflow_lock:
-                self._overflow.popleft()
+    def _stuck(self, message: Any) -> None:
+        """Executor thread: vLLM-Omni's queue stayed full for its whole put timeout."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._backpressure, message.session_id)
 
     def _backpressure(self, sid: str) -> None:
         entry = self._by_sid.get(sid)
