@@ -1,10 +1,12 @@
 """The bridge between the event-loop thread and the engine thread.
 
-Into the engine: a bounded janus queue. The loop puts with ``put_nowait``; only when
-the queue is full does an item go to an overflow FIFO that one executor task drains
-with blocking puts, and while that FIFO is not empty every later item queues behind
-it, so each session's frames reach the engine in the order they were received. One
-executor submission serves a whole full-queue episode, not a frame.
+Into the engine: a bounded janus queue. The items of one loop iteration (frames and
+controls, in the order they came) go in as one entry with ``put_nowait``: one lock and at
+most one wake-up of the engine thread per iteration, not per frame. A frame that finds
+the queue full is not taken (``try_submit`` says so) and waits, first in its session's
+FIFO, for the next results to wake the loop. Only an entry that finds the queue full at
+the end of the iteration (controls cannot wait) takes the slow path of
+``overflow.OrderedPutter``: one executor task per full-queue episode, order kept.
 
 Out of the engine: each step's result is appended to a deque and the loop is woken
 with ``call_soon_threadsafe`` only if no wake-up is already pending, so a busy loop
