@@ -180,9 +180,10 @@ async def _healthy(url: str) -> bool:
         ((b"\x00" * 7,), "invalid_audio", 1003),
         (("{not json",), "invalid_json", 1007),
         (('["a list"]',), "invalid_event", 1007),
+        (("[" * 200_000,), "invalid_json", 1007),
         ((b"\x00" * ((1 << 20) + 4),), "message_too_big", 1009),
     ],
-    ids=["odd-bytes", "invalid-json", "not-an-object", "oversized"],
+    ids=["odd-bytes", "invalid-json", "not-an-object", "deeply-nested", "oversized"],
 )
 def test_bad_input_gets_an_error_and_its_close_code(echo_server, messages, code, close):
     async def scenario():

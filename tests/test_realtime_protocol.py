@@ -308,6 +308,7 @@ def test_bad_input_gets_error_events_and_costs_only_its_session(rt_server):
             await raw_events(good, 1)
             for msg in (
                 "{not json",
+                "[" * 200_000,  # deeper than Python's stack
                 json.dumps({"type": "no.such.event", "event_id": "e1"}),
                 json.dumps({"type": "input_audio_buffer.append", "audio": "***"}),
                 json.dumps(
@@ -320,7 +321,7 @@ def test_bad_input_gets_error_events_and_costs_only_its_session(rt_server):
                 b"\x00\x01",
             ):
                 await bad.send(msg)
-            errors = await raw_events(bad, 6)
+            errors = await raw_events(bad, 7)
             # The session goes on: audio still comes back as a response.
             await bad.send(append(tone(2, seed=6) + silence(SILENCE_FRAMES)))
             after = await raw_events(bad, until=lambda ev: "response.done" in kinds(ev))
@@ -334,9 +335,10 @@ def test_bad_input_gets_error_events_and_costs_only_its_session(rt_server):
             return errors, after, fatal, bad.close_code, other
 
     errors, after, fatal, code, other = run(go())
-    assert kinds(errors) == ["error"] * 6
+    assert kinds(errors) == ["error"] * 7
     codes = [e["error"]["code"] for e in errors]
     assert codes == [
+        "invalid_json",
         "invalid_json",
         "unknown_event",
         "invalid_base64",
@@ -344,7 +346,7 @@ def test_bad_input_gets_error_events_and_costs_only_its_session(rt_server):
         "response_cancel_not_active",
         "invalid_message",
     ]
-    assert errors[1]["error"]["event_id"] == "e1"
+    assert errors[2]["error"]["event_id"] == "e1"
     assert audio_of(responses(after)[0]) == tone(2, seed=6) + silence(SILENCE_FRAMES)
     assert fatal[-1]["error"]["code"] == "message_too_big" and code == 1009
     assert audio_of(responses(other)[0]) == tone(2, seed=7) + silence(SILENCE_FRAMES)

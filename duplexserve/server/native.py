@@ -72,7 +72,7 @@ class NativeConnection(Connection):
     async def on_text(self, text: str) -> None:
         try:
             event = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
             raise SessionError("invalid_json", "text messages must be JSON", errors.INVALID_PAYLOAD) from None
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise SessionError(

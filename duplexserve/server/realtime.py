@@ -142,7 +142,7 @@ class RealtimeConnection(Connection):
         try:
             try:
                 event = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
                 raise ClientEventError("invalid_json", "the message is not valid JSON") from None
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise ClientEventError("invalid_event", "an event is a JSON object with a string 'type'")
