@@ -10,6 +10,7 @@ turns whatever the protocol puts on the wire back into calls on a :class:`Sink`:
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -103,6 +104,17 @@ class ClientDriver(ABC):
 
     def on_close(self, code: int | None, reason: str) -> None:
         self.sink.on_disconnect(code, reason)
+
+    def parse_event(self, text: str) -> dict[str, Any] | None:
+        """A JSON server event with a ``type``; anything else is reported and gives None."""
+        try:
+            event = json.loads(text)
+            if isinstance(event, dict) and isinstance(event.get("type"), str):
+                return event
+        except ValueError:
+            pass
+        self.sink.on_error("bad_event", f"unparsable server event {text[:80]!r}", False)
+        return None
 
 
 class HangUpWhenAnswered(ClientDriver):

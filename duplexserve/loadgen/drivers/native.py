@@ -46,12 +46,10 @@ class NativeDriver(ClientDriver):
 
     def on_text(self, text: str, now: float) -> None:
         sink = self.sink
-        try:
-            event = json.loads(text)
-            kind = event["type"]
-        except (ValueError, KeyError, TypeError):
-            sink.on_error("bad_event", f"unparsable server event {text[:80]!r}", False)
+        event = self.parse_event(text)
+        if event is None:
             return
+        kind = event["type"]
         if kind == "text.delta":
             sink.on_text(now)
         elif kind == "session.created":

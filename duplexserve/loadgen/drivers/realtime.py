@@ -87,12 +87,10 @@ class RealtimeDriver(HangUpWhenAnswered):
             start = text.index('"delta":"') + 9
             self._answered(base64.b64decode(text[start : text.index('"', start)]), now)
             return
-        try:
-            event = json.loads(text)
-            kind = event["type"]
-        except (ValueError, KeyError, TypeError):
-            sink.on_error("bad_event", f"unparsable server event {text[:80]!r}", False)
+        event = self.parse_event(text)
+        if event is None:
             return
+        kind = event["type"]
         if kind == "response.output_audio.delta":  # another server's field order
             self._answered(base64.b64decode(event["delta"]), now)
         elif kind == "response.output_audio_transcript.delta":

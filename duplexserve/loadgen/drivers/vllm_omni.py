@@ -85,12 +85,10 @@ class VllmOmniDriver(HangUpWhenAnswered):
 
     def on_text(self, text: str, now: float) -> None:
         sink = self.sink
-        try:
-            event = json.loads(text)
-            kind = event["type"]
-        except (ValueError, KeyError, TypeError):
-            sink.on_error("bad_event", f"unparsable server event {text[:80]!r}", False)
+        event = self.parse_event(text)
+        if event is None:
             return
+        kind = event["type"]
         if kind == "response.output_audio.delta":
             data = self._pending + base64.b64decode(event["delta"])
             whole = len(data) // _FRAME_BYTES * _FRAME_BYTES
