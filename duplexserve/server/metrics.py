@@ -48,6 +48,7 @@ class ServerCollector(Collector):
             ("executor_submissions", "thread-pool hops made by the server", bridge.executor_submissions),
             ("loop_wakeups", "wake-ups of the loop by the engine thread", bridge.loop_wakeups),
             ("engine_steps", "engine steps", bridge.steps),
+            ("engine_frames", "frames the engine stepped", bridge.frames_stepped),
             ("engine_errors", "engine failures", bridge.engine_errors),
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):

@@ -61,7 +61,6 @@ class Orchestrator:
         self._coalesce_s = coalesce_ms / 1000.0
         self.bridge = self._new_bridge(engine)
         self.draining = False
-        self.engine_failed = False  # a stalled engine that could not be replaced
         self._per_client: collections.Counter[str] = collections.Counter()
         #: Sessions whose next frame found the engine queue full, oldest first.
         self._waiting: dict[int, Session] = {}
@@ -252,8 +251,8 @@ class Orchestrator:
             ))
             self._release(session)
             session.notify()
-        if self.engine_factory is None:
-            self.engine_failed = True
+        if self.engine_factory is None:  # /ready stays 503: the abandoned bridge is not running
+            log.error("no engine factory: the server stays not ready")
             return
         try:
             engine = self.engine_factory()
@@ -262,8 +261,7 @@ class Orchestrator:
             await bridge.start()
             bridge.counts.engine_restarts += 1
         except Exception:
-            log.exception("could not start a new engine")
-            self.engine_failed = True
+            log.exception("could not start a new engine; the server stays not ready")
 
     async def _sweep(self) -> None:
         while True:
