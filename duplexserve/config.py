@@ -58,6 +58,12 @@ class ServerConfig:
     moshi_seed: int = _opt(0, "moshi engine: seed of the random weights and of sampling")
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
+    moshi_attention: str = _opt(
+        "live",
+        "moshi engine: LM attention over each session's live KV prefix (live) or the library's"
+        " over the whole ring (stock)",
+        ("live", "stock"),
+    )
     vllm_omni_model: str = _opt("", "vllm-omni engine: model (HF id or local path) DuplexOmniEngine serves")
     vllm_omni_deploy_config: str = _opt("", "vllm-omni engine: deploy YAML (session_mode: duplex)")
     vllm_omni_args: str = _opt("", "vllm-omni engine: JSON object of further DuplexOmni keyword arguments")

@@ -62,6 +62,7 @@ class MoshiEngine(Engine):
         seed: int = 0,
         threads: int = 0,
         cuda_graphs: bool = True,
+        attention: str = "live",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
@@ -74,6 +75,7 @@ class MoshiEngine(Engine):
         self.seed = seed
         self.threads = threads
         self.cuda_graphs = cuda_graphs
+        self.attention = attention
         lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
         self.delay_frames = max((lm_config or {"delays": [0, 1]})["delays"])
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
@@ -90,6 +92,8 @@ class MoshiEngine(Engine):
         import torch
         from moshi.models import LMGen, loaders
         from moshi.utils.compile import no_compile
+
+        from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
 
         self._torch = torch
         if self.device_name == "auto":
@@ -130,6 +134,8 @@ class MoshiEngine(Engine):
             import sentencepiece
 
             self.tokenizer = sentencepiece.SentencePieceProcessor(str(self.tokenizer_path))
+        if self.attention == "live" and not install_live_attention(lm):
+            log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
         self.delay_frames = max(lm.delays)
         self._skip_text = (lm.existing_text_padding_id, lm.existing_text_end_padding_id)
         s = self.sampling
@@ -315,4 +321,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         seed=config.moshi_seed,
         threads=config.moshi_threads,
         cuda_graphs=config.moshi_cuda_graphs,
+        attention=config.moshi_attention,
     )

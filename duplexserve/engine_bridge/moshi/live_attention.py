@@ -1,0 +1,148 @@
+"""Decode attention over each row's live prefix of the KV ring, not its whole capacity.
+
+moshi's ``RingKVCache`` writes a row's key and value at ``offset % capacity``, so a row
+that has stepped ``n`` times holds valid entries in slots ``[0, min(n, capacity))`` and
+nothing else; RoPE is applied before caching, so the order of the slots does not change
+the sum. With ``capacity == context`` (the LM's case) moshi's mask keeps exactly that
+prefix. Attending to the prefix alone is therefore the same computation, and it reads
+``min(n, capacity)`` slots instead of all of them: a session one minute old reads a
+quarter of a 3000-frame ring, an idle slot (length 0) reads nothing.
+
+On CUDA a split-K Triton kernel (flash-decoding: each program takes one chunk of one
+row's prefix, a second kernel merges the chunks' softmax partials) does the reading;
+its grid is fixed by the capacity, so it replays inside a CUDA graph, and chunks past a
+row's length cost one load of the length. Anywhere else (the CPU, no Triton) the same
+prefix goes to ``scaled_dot_product_attention`` as a boolean mask of moshi's own shape,
+which gives moshi's results bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton comes with CUDA builds of torch; CPU builds run the fallback.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+CHUNK = 256  # keys per program: at capacity 3000 a row is at most 12 programs
+BLOCK_N = 64  # keys loaded per iteration of a program
+
+
+def prefix_mask(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The boolean mask ``[B, 1, 1, capacity]`` that keeps each row's first ``length`` slots."""
+    slots = torch.arange(capacity, device=lengths.device)
+    return (slots.view(1, -1) < lengths.view(-1, 1))[:, None, None]
+
+
+def reference_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The library's own attention call, with the prefix mask."""
+    return F.scaled_dot_product_attention(q, keys, values, mask, dropout_p=0.0)
+
+
+def triton_available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def live_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one query per row over the first ``lengths[b]`` slots of row ``b``.
+
+    ``q`` is ``[B, H, 1, D]``; ``keys`` and ``values`` are ``[B, H, C, D]`` views of the
+    ring with ``D`` contiguous; ``lengths`` is ``[B]`` int32. A row of length 0 gets zeros.
+    """
+    b, h, t, d = q.shape
+    assert t == 1 and keys.stride(-1) == 1 and values.stride(-1) == 1
+    capacity = keys.shape[2]
+    splits = triton.cdiv(capacity, CHUNK)
+    q2 = q.reshape(b * h, d) if q.is_contiguous() else q.contiguous().reshape(b * h, d)
+    part_out = torch.empty((b * h, splits, d), device=q.device, dtype=torch.float32)
+    part_max = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
+    part_sum = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
+    _partials[(b * h, splits)](
+        q2, keys, values, lengths, part_out, part_max, part_sum,
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        h, splits, 1.0 / math.sqrt(d),
+        CHUNK=CHUNK, BLOCK_N=BLOCK_N, D=d, num_warps=4,
+    )  # fmt: skip
+    out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
+    _merge[(b * h,)](
+        part_out, part_max, part_sum, out, splits,
+        SPLITS=triton.next_power_of_2(splits), D=d, num_warps=4,
+    )  # fmt: skip
+    return out.view(b, h, 1, d)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partials(
+        Q, K, V, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        heads, splits, scale,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """One chunk of one (row, head): its softmax max, sum and weighted value sum."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        b = row // heads
+        h = row % heads
+        length = tl.load(LENGTHS + b)
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        d = tl.arange(0, D)
+        q = tl.load(Q + row * D + d).to(tl.float32) * scale
+        k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + h * stride_vh
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        part = row * splits + split
+        tl.store(PART_OUT + part * D + d, acc)
+        tl.store(PART_MAX + part, m_i)
+        tl.store(PART_SUM + part, l_i)
+
+    @triton.jit
+    def _merge(PART_OUT, PART_MAX, PART_SUM, OUT, splits, SPLITS: tl.constexpr, D: tl.constexpr) -> None:
+        """Merge one (row, head)'s chunks; a row with no live slot gets zeros."""
+        row = tl.program_id(0)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        used = s < splits
+        m = tl.load(PART_MAX + row * splits + s, mask=used, other=float("-inf"))
+        l_s = tl.load(PART_SUM + row * splits + s, mask=used, other=0.0)
+        o = tl.load(PART_OUT + (row * splits + s)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+        m_all = tl.max(m, axis=0)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+        total = tl.sum(w * l_s, axis=0)
+        num = tl.sum(w[:, None] * o, axis=0)
+        out = num / tl.where(total > 0.0, total, 1.0)
+        tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty))
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """What the engine logs and the benchmarks record about the attention in use."""
+    return {"kernel": "triton" if triton_available(device) else "sdpa-prefix-mask", "chunk": CHUNK}

@@ -1,0 +1,114 @@
+"""The LM's temporal transformer with attention over each row's live prefix.
+
+Installed on a built ``LMModel`` (``install_live_attention``), without forking the
+library: a forward pre-hook on the temporal transformer computes, once per step, what
+every layer needs (the ring slot to write, each row's live length or mask, the RoPE
+offsets, all from the transformer's own per-row offsets, which advance with the exec
+mask exactly like every layer's KV end offset), and each layer's
+``StreamingMultiheadAttention`` becomes a subclass whose streaming one-step forward
+writes K/V into the library's own ring buffer and attends with ``live_attention``.
+Stock moshi instead rebuilds an int64 ``[B, capacity]`` position table and mask in
+every layer and attends over the whole ring.
+
+Everything else (projections, RoPE, the ring's memory, reset, exec mask, CUDA graphs)
+is the library's. The depformer (weights per step, a ring of 16 slots) and Mimi keep
+their stock attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from moshi.modules.transformer import StreamingMultiheadAttention, StreamingTransformer
+
+from .live_attention import live_attention, prefix_mask, reference_attention, triton_available
+
+
+@dataclass
+class StepClock:
+    """Per-step tensors shared by every layer of one transformer (set by the pre-hook)."""
+
+    capacity: int
+    use_kernel: bool
+    active: bool = False
+    offsets: torch.Tensor | None = None  # [B] position of this step's token (RoPE)
+    slot: torch.Tensor | None = None  # [B, 1, 1, 1] ring slot written this step
+    lengths: torch.Tensor | None = None  # [B] int32 live slots after the write; 0 = idle row
+    mask: torch.Tensor | None = None  # [B, 1, 1, capacity] the same, for the SDPA fallback
+
+
+def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> None:
+    clock: StepClock = transformer._live_clock
+    state = transformer._streaming_state
+    clock.active = state is not None and args[0].shape[1] == 1
+    if not clock.active:
+        return
+    offsets = state.offsets
+    ends = offsets + 1
+    clock.offsets = offsets
+    clock.slot = (offsets % clock.capacity).view(-1, 1, 1, 1)
+    if clock.use_kernel:
+        live = torch.clamp(ends, max=clock.capacity)
+        clock.lengths = torch.where(state.exec_mask, live, torch.zeros_like(live)).to(torch.int32)
+    else:
+        clock.mask = prefix_mask(ends, clock.capacity)
+
+
+class LiveAttention(StreamingMultiheadAttention):
+    """Causal self-attention whose one-step streaming forward reads only live slots."""
+
+    _live_clock: StepClock
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        clock = self._live_clock
+        state = self._streaming_state
+        if state is None or not clock.active:
+            return super().forward(query, key, value)
+        b = query.shape[0]
+        heads = self.num_heads
+        projected = self.in_projs[0](query)
+        q, k, v = projected.view(b, 1, 3, heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
+        if self.rope is not None:
+            q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
+        ring = state.kv_cache.cache
+        slot = clock.slot.expand(b, heads, 1, k.shape[-1])
+        ring[0].scatter_(2, slot, k)
+        ring[1].scatter_(2, slot, v)
+        if clock.use_kernel:
+            x = live_attention(q, ring[0], ring[1], clock.lengths)
+        else:
+            x = reference_attention(q, ring[0], ring[1], clock.mask)
+        x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
+        state.offset_cpu += 1
+        return self.out_projs[0](x)
+
+
+def install_live_attention(lm: Any, use_kernel: bool | None = None) -> bool:
+    """Give ``lm``'s temporal transformer live-prefix attention; False where it cannot apply.
+
+    It applies to causal self-attention with one set of weights, no grouped KV heads and
+    a ring as long as the context (every Moshi and Hibiki LM); ``use_kernel`` defaults
+    to the Triton kernel where it can run (CUDA), else the bit-exact SDPA fallback.
+    Call before ``streaming_forever``.
+    """
+    transformer = lm.transformer
+    attentions = [layer.self_attn for layer in transformer.layers]
+    contexts = {a.context for a in attentions}
+    fits = all(
+        a.causal and not a.cross_attention and not a.weights_per_step and a.kv_repeat == 1
+        and len(a.in_projs) == 1 and type(a) is StreamingMultiheadAttention
+        for a in attentions
+    ) and len(contexts) == 1 and None not in contexts  # fmt: skip
+    if not fits or transformer.is_streaming:
+        return False
+    if use_kernel is None:
+        use_kernel = triton_available(next(lm.parameters()).device)
+    clock = StepClock(capacity=contexts.pop(), use_kernel=use_kernel)
+    transformer._live_clock = clock
+    transformer.register_forward_pre_hook(_before_layers)
+    for attention in attentions:
+        attention.__class__ = LiveAttention
+        attention._live_clock = clock
+    return True
