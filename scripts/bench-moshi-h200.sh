@@ -3,8 +3,11 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
-#   rtf-hibiki-N[-process]  paced RTF run, hibiki-2b, N sessions (engine in its own process)
-#   rtf-moshi7b-N[-ctxC]    paced RTF run, moshi-7b, N sessions (LM context C frames)
+#   rtf-MODEL-N[-process][-stock][-ctxC]
+#                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
+#                           own process, moshi's stock attention, LM context C frames
+#   breakdown | attention | agreement
+#                           duplexserve/bench/moshi_step.py (step parts, one layer, vs batch 1)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -21,12 +24,18 @@ for phase in "$@"; do
     steps-hibiki)
       python3 scripts/bench_moshi.py steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
         --out "$OUT/steps-hibiki.json" ;;
+    breakdown|attention|agreement)
+      python3 -m duplexserve.bench.moshi_step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
     rtf-*)
-      IFS=- read -r _ model n extra <<<"$phase"
-      preset=$([ "$model" = moshi7b ] && echo moshi-7b || echo hibiki-2b)
+      IFS=- read -r -a parts <<<"$phase"
+      preset=$([ "${parts[1]}" = moshi7b ] && echo moshi-7b || echo hibiki-2b)
+      n="${parts[2]}"
       flags=()
-      [ "$extra" = process ] && flags+=(--engine-process)
-      [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
+      for extra in "${parts[@]:3}"; do
+        [ "$extra" = process ] && flags+=(--engine-process)
+        [ "$extra" = stock ] && flags+=(--attention stock)
+        [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
+      done
       python3 scripts/bench_moshi.py rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
         --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
       [ -f "$OUT/one.json" ] && { python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/one.json" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }

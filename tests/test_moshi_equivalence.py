@@ -44,7 +44,9 @@ def kyutai_loop(engine: MoshiEngine, frames: np.ndarray) -> np.ndarray:
 
     preset = engine.preset
     mimi = loaders.get_mimi(None, preset.mimi, device="cpu", num_codebooks=preset.codebooks)
-    lm = loaders.get_moshi_lm(None, lm_kwargs={**preset.lm, "context": CONTEXT}, device="cpu", dtype=torch.float32)
+    lm = loaders.get_moshi_lm(
+        None, lm_kwargs={**preset.lm, "context": CONTEXT}, device="cpu", dtype=torch.float32
+    )
     mimi.load_state_dict(engine.mimi.state_dict())
     lm.load_state_dict(engine.lm_gen.lm_model.state_dict())
     lm_gen = LMGen(lm, use_sampling=False)
@@ -52,7 +54,9 @@ def kyutai_loop(engine: MoshiEngine, frames: np.ndarray) -> np.ndarray:
     with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
         for frame in frames:
             tokens = lm_gen.step(mimi.encode(torch.from_numpy(frame).view(1, 1, -1)))
-            out.append(np.zeros(FRAME, np.float32) if tokens is None else mimi.decode(tokens[:, 1:])[0, 0].numpy())
+            out.append(
+                np.zeros(FRAME, np.float32) if tokens is None else mimi.decode(tokens[:, 1:])[0, 0].numpy()
+            )
     return np.stack(out)
 
 
@@ -82,7 +86,9 @@ def run_sessions(engine: MoshiEngine) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("attention", ["live", "stock"])
 def test_every_session_equals_kyutais_batch1_loop(attention):
-    engine = MoshiEngine(4, "tiny", context=CONTEXT, sampling=Sampling(greedy=True), threads=1, attention=attention)
+    engine = MoshiEngine(
+        4, "tiny", context=CONTEXT, sampling=Sampling(greedy=True), threads=1, attention=attention
+    )
     engine.start()
     try:
         outputs, inputs = run_sessions(engine)
@@ -136,14 +142,16 @@ KERNEL_CHECK = textwrap.dedent(
     """
     import sys
     import torch
-    from duplexserve.engine_bridge.moshi.live_attention import live_attention, prefix_mask, reference_attention
+    from duplexserve.engine_bridge.moshi.live_attention import (
+        live_attention, prefix_mask, reference_attention)
     torch.manual_seed(0)
     for dtype, (b, h, c, d) in [(torch.float32, (6, 2, 600, 64)), (torch.bfloat16, (3, 4, 300, 128))]:
         ring = torch.randn(2, b, h, c, d).to(dtype)  # views into one buffer, as moshi's ring
         q = torch.randn(b, h, 1, d).to(dtype)
         lengths = torch.tensor([0, 1, 65, c, 256, 257][:b], dtype=torch.int32)
         got = live_attention(q, ring[0], ring[1], lengths).float()
-        ref = reference_attention(q.float(), ring[0].float(), ring[1].float(), prefix_mask(lengths.clamp(min=1), c))
+        mask = prefix_mask(lengths.clamp(min=1), c)
+        ref = reference_attention(q.float(), ring[0].float(), ring[1].float(), mask)
         ref[lengths == 0] = 0.0
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         err = (got - ref).abs().max().item()
@@ -163,6 +171,8 @@ def test_the_triton_kernel_equals_the_masked_reference():
     """The CUDA path's kernel, run by Triton's interpreter on the CPU, alone and in the LM."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("max error") == 3

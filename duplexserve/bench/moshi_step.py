@@ -1,0 +1,307 @@
+"""Where a batched moshi step goes on the GPU, before (stock attention) and after (live).
+
+    breakdown  engine alone, every slot at a given session age: Mimi encode, the LM's
+               main graph, the depformer graph, Mimi decode and the rest, timed with
+               CUDA events; the GPU's busy time from the profiler, so that the time the
+               GPU waits on Python is the step's wall time less it; the KV-read floor
+               beside each row.
+    attention  one layer's attention alone: stock (moshi's per-layer positions and mask,
+               SDPA over the whole ring) against the live-prefix kernel, by live length.
+    agreement  each session of a batched bf16 run against Kyutai's batch-1 loop on the
+               same weights, greedy: share of identical tokens and the audio's SNR.
+
+Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FRAME = 1920
+HBM_BYTES_PER_S = 4.4e12  # copy bandwidth measured on the H200 (reference/moshi_step.md)
+
+
+def _ages(engine: Any, age: int) -> None:
+    """Put every slot at ``age`` frames into its session (every per-row clock moved)."""
+    lm = engine.lm_gen.lm_model
+    lm.transformer._streaming_state.offsets[:] = age
+    for layer in lm.transformer.layers:
+        state = layer.self_attn._streaming_state
+        state.offset[:] = age
+        state.kv_cache.end_offset[:] = age
+    engine.lm_gen._streaming_state.offsets[:] = age
+    engine._steps[:] = age
+
+
+class _Timed:
+    """Wraps a callable so that each call is bracketed by CUDA events."""
+
+    def __init__(self, torch: Any, fn: Any) -> None:
+        self.torch, self.fn, self.spans = torch, fn, []
+
+    def __call__(self, *args: Any) -> Any:
+        start = self.torch.cuda.Event(enable_timing=True)
+        end = self.torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.fn(*args)
+        end.record()
+        self.spans.append((start, end))
+        return out
+
+    def take_ms(self) -> float:
+        total = sum(s.elapsed_time(e) for s, e in self.spans)
+        n = len(self.spans)
+        self.spans = []
+        return total / max(n, 1)
+
+
+def _kv_floor_ms(engine: Any, batch: int, live: int) -> float:
+    lm = engine.lm_gen.lm_model
+    attn = lm.transformer.layers[0].self_attn
+    per_slot = 2 * attn.embed_dim * next(lm.parameters()).element_size()  # K and V, all heads
+    return 1000 * batch * len(lm.transformer.layers) * per_slot * live / HBM_BYTES_PER_S
+
+
+def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
+    torch = engine._torch
+    slots = np.arange(batch)
+    frames = (np.random.default_rng(0).standard_normal((batch, FRAME)) * 0.05).astype(np.float32)
+    state = engine.lm_gen._streaming_state
+    parts = {
+        "mimi_encode": _Timed(torch, engine.mimi.encode),
+        "main_graph": _Timed(torch, state.graphed_main),
+        "depformer": _Timed(torch, state.graphed_depth),
+        "mimi_decode": _Timed(torch, engine.mimi.decode),
+    }
+    engine.mimi.encode, engine.mimi.decode = parts["mimi_encode"], parts["mimi_decode"]
+    state.graphed_main, state.graphed_depth = parts["main_graph"], parts["depformer"]
+    whole = _Timed(torch, engine.step)
+    try:
+        _ages(engine, age)
+        for _ in range(3):
+            whole(slots, frames)
+        for t in (*parts.values(), whole):
+            t.take_ms()
+        wall = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            whole(slots, frames)
+            wall.append(time.perf_counter() - t0)
+        row: dict[str, Any] = {name: t.take_ms() for name, t in parts.items()}
+        span = whole.take_ms()
+        row["other"] = span - sum(row.values())
+        row["gpu_span"] = span
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                whole(slots, frames)
+        kernels = [k for k in prof.key_averages() if k.self_device_time_total > 0]
+        busy_ms = sum(k.self_device_time_total for k in kernels) / 1000 / 5
+        row["step_wall_p50"] = 1000 * float(np.median(wall))
+        row["gpu_busy"] = busy_ms
+        row["gpu_waits_on_host"] = max(0.0, row["step_wall_p50"] - busy_ms)
+        row["top_kernels"] = [
+            (k.key[:80], round(k.self_device_time_total / 1000 / 5, 3), k.count // 5)
+            for k in sorted(kernels, key=lambda k: -k.self_device_time_total)[:12]
+        ]
+    finally:
+        engine.mimi.encode, engine.mimi.decode = parts["mimi_encode"].fn, parts["mimi_decode"].fn
+        state.graphed_main, state.graphed_depth = parts["main_graph"].fn, parts["depformer"].fn
+    live = min(age + 1, engine.lm_gen.lm_model.transformer.layers[0].self_attn.context)
+    row.update(batch=batch, age=age, kv_floor_live=_kv_floor_ms(engine, batch, live))
+    row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from duplexserve.engine_bridge.moshi_engine import MoshiEngine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    ages = [int(a) for a in args.ages.split(",")]
+    rows = []
+    for attention in args.attention.split(","):
+        engine = MoshiEngine(batches[0], args.preset, context=args.context, attention=attention)
+        engine.start()
+        for b in batches:
+            if b != engine.num_slots:
+                engine.resize(b)
+            for age in ages:
+                row = {"attention": attention, **breakdown(engine, b, age, args.steps)}
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+        print(json.dumps(rows[-1]["top_kernels"]), flush=True)
+        engine.stop()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"{'attn':>5} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} {'dec':>5} "
+          f"{'other':>5} {'busy':>5} {'wait':>5} {'KVfloor':>7}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['attention']:>5} {r['batch']:>4} {r['age']:>5} {r['step_wall_p50']:6.1f} "
+            f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
+            f"{r['other']:5.1f} {r['gpu_busy']:5.1f} {r['gpu_waits_on_host']:5.1f} {r['kv_floor_live']:7.1f}"
+        )
+    return rows
+
+
+def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One layer of the hibiki-2b shape (16 heads of 128, ring 3000), bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    from duplexserve.engine_bridge.moshi.live_attention import live_attention
+
+    heads, dim, cap = 16, 128, args.context or 3000
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        ring = torch.randn(2, b, heads, cap, dim, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+        end = torch.full((b,), cap, device="cuda", dtype=torch.long)
+
+        def stock(
+            q: Any = q, ring: Any = ring, end: Any = end
+        ) -> Any:  # moshi's per-layer positions, mask and SDPA over the whole ring
+            idx = torch.arange(cap, device="cuda")
+            last = end.view(-1, 1)
+            delta = idx - last % cap
+            pos = torch.where(delta <= 0, last + delta, last + delta - cap)
+            pos = torch.where(idx >= end.view(-1, 1), torch.full_like(pos, -1), pos)
+            d = end.view(-1, 1, 1) - pos[:, None]
+            bias = ((pos[:, None] >= 0) & (d >= 0) & (d < cap))[:, None]
+            return F.scaled_dot_product_attention(q, ring[0], ring[1], bias)
+
+        for share in (1.0, 0.5, 0.25, 0.125):
+            lengths = torch.full((b,), max(1, int(cap * share)), device="cuda", dtype=torch.int32)
+            row = {"batch": b, "live_share": share}
+            for name, fn in (
+                ("stock", stock),
+                (
+                    "live",
+                    lambda q=q, ring=ring, lengths=lengths: live_attention(q, ring[0], ring[1], lengths),
+                ),
+            ):
+                for _ in range(3):
+                    fn()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.steps):
+                    fn()
+                stop.record()
+                torch.cuda.synchronize()
+                row[f"{name}_ms"] = start.elapsed_time(stop) / args.steps
+            row["floor_ms"] = 1000 * b * 2 * heads * dim * 2 * cap * share / HBM_BYTES_PER_S
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del ring
+    return rows
+
+
+def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Sessions of a batched engine (some opening late, idle steps) against batch-1 Kyutai."""
+    import torch
+    from moshi.models import LMGen, loaders
+
+    from duplexserve.engine_bridge.moshi_engine import MoshiEngine, Sampling
+
+    n_sessions, frames = 6, args.frames
+    rows = []
+    for attention in args.attention.split(","):
+        engine = MoshiEngine(8, args.preset, sampling=Sampling(greedy=True), attention=attention)
+        engine.start()
+        tokens_seen: dict[int, list[np.ndarray]] = {i: [] for i in range(n_sessions)}
+        step_fn = engine.lm_gen.step
+        captured: list[Any] = []
+        engine.lm_gen.step = lambda codes, c=captured, f=step_fn: c.append(f(codes)) or c[-1]
+        inputs = [(np.random.default_rng(i).standard_normal((frames, FRAME)) * 0.1).astype(np.float32)
+                  for i in range(n_sessions)]  # fmt: skip
+        starts = [0, 0, 3, 7, 11, 20]
+        outputs: dict[int, list[np.ndarray]] = {i: [] for i in range(n_sessions)}
+        sent = [0] * n_sessions
+        step = 0
+        while any(s < frames for s in sent):
+            rows_now = [
+                i for i in range(n_sessions) if step >= starts[i] and sent[i] < frames and step % 9 != i
+            ]
+            for i in range(n_sessions):
+                if step == starts[i]:
+                    engine.open(i, {})
+            if rows_now:
+                slots = np.array(rows_now)
+                result = engine.step(slots, np.stack([inputs[i][sent[i]] for i in rows_now]))
+                tok = captured.pop().cpu().numpy()
+                for r, i in enumerate(rows_now):
+                    outputs[i].append(result.audio[r].copy())
+                    tokens_seen[i].append(tok[i, :, 0])
+                    sent[i] += 1
+            step += 1
+        preset = engine.preset
+        mimi = loaders.get_mimi(None, preset.mimi, device="cuda", num_codebooks=preset.codebooks)
+        lm = loaders.get_moshi_lm(None, lm_kwargs=dict(preset.lm), device="cuda", dtype=torch.bfloat16)
+        mimi.load_state_dict(engine.mimi.state_dict())
+        lm.load_state_dict(engine.lm_gen.lm_model.state_dict())
+        engine.stop()
+        same_tokens, total_tokens, snrs = 0, 0, []
+        for i in range(n_sessions):
+            lm_gen = LMGen(lm, use_sampling=False)
+            ref_audio, ref_tokens = [], []
+            with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
+                for frame in inputs[i]:
+                    tok = lm_gen.step(mimi.encode(torch.from_numpy(frame).cuda().view(1, 1, -1)))
+                    if tok is None:
+                        ref_audio.append(np.zeros(FRAME, np.float32))
+                    else:
+                        ref_tokens.append(tok[0, :, 0].cpu().numpy())
+                        ref_audio.append(mimi.decode(tok[:, 1:])[0, 0].float().cpu().numpy())
+            got = np.stack(tokens_seen[i][engine.delay_frames :])
+            ref = np.stack(ref_tokens)
+            same_tokens += int((got == ref).sum())
+            total_tokens += ref.size
+            a, r = np.stack(outputs[i]), np.stack(ref_audio)
+            snrs.append(10 * np.log10((r**2).sum() / max(((a - r) ** 2).sum(), 1e-30)))
+        row = {"attention": attention, "preset": args.preset, "sessions": n_sessions, "frames": frames,
+               "identical_tokens": same_tokens / total_tokens, "snr_db_min": float(min(snrs)),
+               "snr_db_median": float(np.median(snrs))}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del lm, mimi
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("breakdown", "attention", "agreement"):
+        p = sub.add_parser(name)
+        p.add_argument("--preset", default="hibiki-2b")
+        p.add_argument("--batches", default="1,32,64,128,192,224")
+        p.add_argument("--ages", default="375,2999", help="frames into each session (breakdown)")
+        p.add_argument("--attention", default="stock,live")
+        p.add_argument("--context", type=int, default=0)
+        p.add_argument("--steps", type=int, default=30)
+        p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")
+        p.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    rows = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}[args.command](
+        args
+    )
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"command": args.command, "args": vars(args), "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
