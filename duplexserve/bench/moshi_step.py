@@ -158,7 +158,9 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from duplexserve.engine_bridge.moshi.live_attention import live_attention
+    from duplexserve.engine_bridge.moshi.live_attention import KernelConfig, live_attention
+
+    configs = [KernelConfig(*(int(x) for x in c.split("/"))) for c in args.kernels.split(",")]
 
     heads, dim, cap = 16, 128, args.context or 3000
     rows = []
@@ -182,13 +184,13 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
         for share in (1.0, 0.5, 0.25, 0.125):
             lengths = torch.full((b,), max(1, int(cap * share)), device="cuda", dtype=torch.int32)
             row = {"batch": b, "live_share": share}
-            for name, fn in (
-                ("stock", stock),
-                (
-                    "live",
-                    lambda q=q, ring=ring, lengths=lengths: live_attention(q, ring[0], ring[1], lengths),
-                ),
-            ):
+            variants: list[tuple[str, Any]] = [("stock", stock)]
+            for c in configs:
+                name = f"live_{c.chunk}/{c.block_n}/{c.warps}/{c.stages}"
+                variants.append(
+                    (name, lambda c=c, q=q, r=ring, n=lengths: live_attention(q, r[0], r[1], n, c))
+                )
+            for name, fn in variants:
                 for _ in range(3):
                     fn()
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")
+        p.add_argument("--kernels", default="256/64/4/1", help="chunk/block/warps/stages,... (attention)")
         p.add_argument("--out", default="")
     args = parser.parse_args(argv)
     rows = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}[args.command](
