@@ -37,9 +37,9 @@ class KernelConfig:
     """Split size and tile shape of the partials kernel (chosen by measurement on an H200)."""
 
     chunk: int = 256  # keys per program: at capacity 3000 a row is at most 12 programs
-    block_n: int = 64  # keys loaded per iteration of a program
-    warps: int = 4
-    stages: int = 1
+    block_n: int = 32  # keys loaded per iteration of a program
+    warps: int = 2
+    stages: int = 3
 
 
 DEFAULT = KernelConfig()
