@@ -62,7 +62,7 @@ def pct(values, q: float) -> float:
 
 
 def cmd_steps(args: argparse.Namespace) -> None:
-    from duplexserve.engine_bridge.moshi_engine import MoshiEngine
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
 
     batches = [int(b) for b in args.batches.split(",")]
     engine = MoshiEngine(batches[0], args.preset, device=args.device, context=args.context)

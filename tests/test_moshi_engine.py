@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from duplexserve.config import ServerConfig
-from duplexserve.engine_bridge.moshi_engine import MoshiEngine, Sampling
-from duplexserve.engine_bridge.moshi_presets import TINY_LM, TINY_MIMI
+from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
+from duplexserve.engine_bridge.moshi.presets import TINY_LM, TINY_MIMI
 from duplexserve.engine_bridge.process_engine import ProcessEngine
 
 SLOTS = 4
@@ -173,7 +173,7 @@ def test_engine_in_its_own_process_answers_the_same(engine):
 def test_stock_presets_restate_the_library():
     from moshi.models import loaders
 
-    from duplexserve.engine_bridge import moshi_presets
+    from duplexserve.engine_bridge.moshi import presets as moshi_presets
 
     assert loaders._lm_kwargs == moshi_presets.MOSHI_7B_LM
     assert loaders._seanet_kwargs == moshi_presets.SEANET

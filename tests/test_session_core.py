@@ -7,7 +7,7 @@ import pytest
 
 from duplexserve.engine_bridge.batcher import SlotBatcher
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
-from duplexserve.server.errors import SessionError
+from duplexserve.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, TextOut
 from duplexserve.server.session import Limits, Session, State
 

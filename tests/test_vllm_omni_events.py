@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from duplexserve.engine_bridge.vllm_omni_events import InputFramer, OutputFramer, decode_audio
-from duplexserve.server import errors
+from duplexserve import errors
+from duplexserve.engine_bridge.vllm_omni.events import InputFramer, OutputFramer, decode_audio
 
 FRAME = 1920
 

@@ -13,11 +13,11 @@ def build_engine(config: ServerConfig) -> Engine:
 
         return ProcessEngine(config)  # builds the engine below in its own process
     if config.engine == "vllm-omni":
-        from duplexserve.engine_bridge.vllm_omni_setup import vllm_omni_engine_from_config
+        from duplexserve.engine_bridge.vllm_omni.setup import vllm_omni_engine_from_config
 
         return vllm_omni_engine_from_config(config)
     if config.engine == "moshi":
-        from duplexserve.engine_bridge.moshi_engine import moshi_engine_from_config
+        from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
 
         return moshi_engine_from_config(config)
     if config.engine == "synthetic":

@@ -57,7 +57,7 @@ from vllm_omni.engine.orchestrator import OrchestratorBase, StreamingSegmentStat
 from vllm_omni.engine.stage_runtime import StageRuntimeInfo
 from vllm_omni.outputs import OmniRequestOutput
 
-from duplexserve.engine_bridge.vllm_omni_setup import STANDIN_MODEL
+from duplexserve.engine_bridge.vllm_omni.setup import STANDIN_MODEL
 
 MODEL_NAME = STANDIN_MODEL
 SAMPLE_RATE = 24000

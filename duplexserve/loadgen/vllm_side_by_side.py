@@ -367,8 +367,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
     """
     import numpy as np
 
-    from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniBridge
-    from duplexserve.engine_bridge.vllm_omni_setup import STANDIN_MODEL, session_payload, standin_builder
+    from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge
+    from duplexserve.engine_bridge.vllm_omni.setup import STANDIN_MODEL, session_payload, standin_builder
 
     rng = np.random.default_rng(0)
     pcm = (rng.integers(-16000, 16000, 64 * 1920) / 32768).astype(np.float32).reshape(64, 1920)

@@ -21,11 +21,12 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 
+from duplexserve import errors
 from duplexserve.codecs.pipeline import Decoder, Encoder
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
-from duplexserve.server import auth, errors
-from duplexserve.server.errors import SessionError
+from duplexserve.errors import SessionError
+from duplexserve.server import auth
 from duplexserve.server.events import ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.session import Session

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_MS, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
-from duplexserve.server import errors
+from duplexserve.errors import SessionError
 from duplexserve.server.connection import Connection
-from duplexserve.server.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 from duplexserve.server.session import State
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from duplexserve import errors
 from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
-from duplexserve.server import errors
 from duplexserve.server.session import Limits, Session, State
 
 log = logging.getLogger(__name__)

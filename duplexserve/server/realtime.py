@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
-from duplexserve.server import auth, errors
+from duplexserve.server import auth
 from duplexserve.server import realtime_events as ev
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_SAMPLES
-from duplexserve.server import errors
-from duplexserve.server.errors import SessionError
+from duplexserve.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 
 

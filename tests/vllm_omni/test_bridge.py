@@ -18,11 +18,11 @@ from tests.vllm_omni.conftest import require_vllm_omni
 
 require_vllm_omni()
 
-from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniBridge  # noqa: E402
-from duplexserve.engine_bridge.vllm_omni_events import InputFramer  # noqa: E402
-from duplexserve.engine_bridge.vllm_omni_setup import session_payload, standin_builder  # noqa: E402
+from duplexserve import errors  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni.events import InputFramer  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni.setup import session_payload, standin_builder  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni_standin import MODEL_NAME  # noqa: E402
-from duplexserve.server import errors  # noqa: E402
 
 FRAME = 1920
 

@@ -23,7 +23,7 @@ and ``DuplexOmni``'s handles) is not used; its control path is:
   behind it, so order holds either way;
 - events: one daemon thread blocks on the output queue (no 1 ms polling), takes all
   that is there, and wakes the loop once per batch with ``call_soon_threadsafe``; the
-  loop maps them onto sessions (:mod:`vllm_omni_events`).
+  loop maps them onto sessions (:mod:`.events`).
 
 Frames that arrive before a session's open RPC has answered wait in the slot, in
 order, and follow the open. Every id and generation check happens on the loop.
@@ -45,18 +45,18 @@ from typing import Any
 
 import numpy as np
 
+from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.engine_bridge.bridge import BridgeCounts
 from duplexserve.engine_bridge.engine import Engine, StepResult
 from duplexserve.engine_bridge.overflow import OrderedPutter
-from duplexserve.engine_bridge.vllm_omni_events import (
+from duplexserve.engine_bridge.vllm_omni.events import (
     FATAL_CODES,
     MODEL_RATE,
     Decoded,
     InputFramer,
     OutputFramer,
 )
-from duplexserve.server import errors
 
 log = logging.getLogger(__name__)
 

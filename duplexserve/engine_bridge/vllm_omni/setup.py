@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from duplexserve.config import ServerConfig
-from duplexserve.engine_bridge.vllm_omni_bridge import VllmOmniEngine
-from duplexserve.engine_bridge.vllm_omni_events import MODEL_RATE
+from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniEngine
+from duplexserve.engine_bridge.vllm_omni.events import MODEL_RATE
 
 #: The model name the stand-in engine reports (``--vllm-omni-standin``).
 STANDIN_MODEL = "duplexserve/standin-echo"

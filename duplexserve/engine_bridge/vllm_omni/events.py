@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_SAMPLES
-from duplexserve.server import errors
 
 MODEL_RATE = 24000
 _S16_SCALE = np.float32(32768.0)

@@ -30,7 +30,7 @@ import numpy as np
 
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, StepResult
-from duplexserve.engine_bridge.moshi_presets import get_preset, resolve_weights
+from duplexserve.engine_bridge.moshi.presets import get_preset, resolve_weights
 
 log = logging.getLogger(__name__)
 
