@@ -23,7 +23,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from duplexserve.engine_bridge.moshi_engine import MoshiEngine, Sampling
+from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 
 CONTEXT = 16  # LM ring of 16 frames: the 40-frame session wraps it twice
 FRAME = 1920
@@ -105,7 +105,7 @@ def drive_lm(use_kernel: bool | None, steps: int = 40, batch: int = 5) -> list:
     from moshi.models import loaders
 
     from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
-    from duplexserve.engine_bridge.moshi_presets import TINY_LM
+    from duplexserve.engine_bridge.moshi.presets import TINY_LM
 
     torch.manual_seed(0)
     kwargs = {**TINY_LM, "context": CONTEXT}

@@ -122,7 +122,7 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
 def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from duplexserve.engine_bridge.moshi_engine import MoshiEngine
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
 
     batches = [int(b) for b in args.batches.split(",")]
     ages = [int(a) for a in args.ages.split(",")]
@@ -212,7 +212,7 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     from moshi.models import LMGen, loaders
 
-    from duplexserve.engine_bridge.moshi_engine import MoshiEngine, Sampling
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 
     n_sessions, frames = 6, args.frames
     rows = []
