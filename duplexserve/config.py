@@ -75,9 +75,9 @@ class ServerConfig:
         False, "vllm-omni engine, tests and benchmarks: vLLM-Omni's real engine on the CPU, model stood in "
         "by an echo (docs/vllm-omni.md)"
     )
-    engine_process: bool = _opt(
-        False, "run the engine in a process of its own (shared memory), so its Python never holds the "
-        "server's GIL"
+    engine_process: bool | None = _opt(
+        None, "run the engine in a process of its own (shared memory), so its Python never holds the "
+        "server's GIL (unset: on for the moshi engine on a GPU, off otherwise)"
     )
 
     # Codecs (docs/codecs.md says what runs where, and why).
@@ -169,7 +169,7 @@ class ServerConfig:
             env = ENV_PREFIX + f.name.upper()
             default = _from_env(env, f.default)
             help_text = f"{f.metadata['help']} [env {env}; default %(default)s]"
-            if isinstance(f.default, bool):
+            if isinstance(f.default, bool) or f.type == "bool | None":
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
@@ -185,6 +185,16 @@ class ServerConfig:
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerConfig:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def engine_in_process(self) -> bool:
+        """``--engine-process`` as set, else on for the moshi engine on a GPU: there, under
+        load, an engine thread's many torch calls fight the event loop for the GIL
+        (docs/moshi-engine.md)."""
+        if self.engine_process is not None:
+            return self.engine_process
+        on_gpu = self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
+        return self.engine == "moshi" and on_gpu
 
     def validate(self) -> None:
         if self.max_sessions < 1:
@@ -206,10 +216,13 @@ class ServerConfig:
             raise ValueError("opus_complexity must be 0..10")
 
 
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
 def _from_env(name: str, default: Any) -> Any:
     raw = os.environ.get(name)
     if raw is None:
         return default
-    if isinstance(default, bool):
+    if isinstance(default, bool) or (default is None and raw.strip().lower() in _BOOL_WORDS):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     return type(default)(raw)

@@ -8,7 +8,7 @@ from duplexserve.engine_bridge.synthetic import SyntheticEngine
 
 
 def build_engine(config: ServerConfig) -> Engine:
-    if config.engine_process:
+    if config.engine_in_process:
         from duplexserve.engine_bridge.process_engine import ProcessEngine
 
         return ProcessEngine(config)  # builds the engine below in its own process
