@@ -64,6 +64,12 @@ class ServerConfig:
         " over the whole ring (stock)",
         ("live", "stock"),
     )
+    moshi_kv_dtype: str = _opt(
+        "bf16",
+        "moshi engine: the LM's KV ring in the model's dtype (bf16) or int8 with a scale per slot and"
+        " head: half the memory a session, not exact (docs/moshi-engine.md)",
+        ("bf16", "int8"),
+    )
     vllm_omni_model: str = _opt("", "vllm-omni engine: model (HF id or local path) DuplexOmniEngine serves")
     vllm_omni_deploy_config: str = _opt("", "vllm-omni engine: deploy YAML (session_mode: duplex)")
     vllm_omni_args: str = _opt("", "vllm-omni engine: JSON object of further DuplexOmni keyword arguments")

@@ -30,6 +30,7 @@ import numpy as np
 
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.moshi.memory import MemoryPlan, kv_bytes_per_slot
 from duplexserve.engine_bridge.moshi.presets import get_preset, resolve_weights
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class MoshiEngine(Engine):
         threads: int = 0,
         cuda_graphs: bool = True,
         attention: str = "live",
+        kv_dtype: str = "bf16",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
@@ -76,6 +78,9 @@ class MoshiEngine(Engine):
         self.threads = threads
         self.cuda_graphs = cuda_graphs
         self.attention = attention
+        self.kv_dtype = kv_dtype
+        if kv_dtype != "bf16" and attention != "live":
+            raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
         lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
         self.delay_frames = max((lm_config or {"delays": [0, 1]})["delays"])
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
@@ -134,7 +139,11 @@ class MoshiEngine(Engine):
             import sentencepiece
 
             self.tokenizer = sentencepiece.SentencePieceProcessor(str(self.tokenizer_path))
-        if self.attention == "live" and not install_live_attention(lm):
+        if self.attention == "live" and not install_live_attention(lm, kv_dtype=self.kv_dtype):
+            if self.kv_dtype != "bf16":
+                raise ValueError(
+                    f"this LM cannot use live-prefix attention, which --moshi-kv-dtype {self.kv_dtype} needs"
+                )
             log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
         self.delay_frames = max(lm.delays)
         self._skip_text = (lm.existing_text_padding_id, lm.existing_text_end_padding_id)
@@ -177,10 +186,23 @@ class MoshiEngine(Engine):
         self._out_np = self._out_host.numpy()
         self._text_host = torch.zeros(b, dtype=torch.long, pin_memory=pin)
         self._text_np = self._text_host.numpy()
+        if self.device.type == "cuda":
+            plan = self._memory_plan(b)
+            log.info("moshi engine memory: %s", plan.describe())
+            plan.check()
         with torch.no_grad():
             self.mimi.streaming_forever(b)
             self.lm_gen.streaming_forever(b)
         self._warm_up()
+
+    def _memory_plan(self, slots: int) -> MemoryPlan:
+        lm = self.lm_gen.lm_model
+        attention = lm.transformer.layers[0].self_attn
+        kv = kv_bytes_per_slot(
+            len(lm.transformer.layers), attention.embed_dim, attention.num_heads, attention.context,
+            self.kv_dtype if self.attention == "live" else "bf16", next(lm.parameters()).element_size(),
+        )  # fmt: skip
+        return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0])
 
     def resize(self, num_slots: int) -> None:
         """Rebuild the streaming state for another slot count, keeping the weights (the
@@ -322,4 +344,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         threads=config.moshi_threads,
         cuda_graphs=config.moshi_cuda_graphs,
         attention=config.moshi_attention,
+        kv_dtype=config.moshi_kv_dtype,
     )

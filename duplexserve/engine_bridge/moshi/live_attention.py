@@ -58,6 +58,17 @@ def reference_attention(
     return F.scaled_dot_product_attention(q, keys, values, mask, dropout_p=0.0)
 
 
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per vector of the last dimension (a slot of one head)."""
+    scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
+    q8 = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q8, scale.to(x.dtype)
+
+
+def dequantize(ring: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (ring.float() * scale.float()[..., None]).to(dtype)
+
+
 def triton_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
@@ -67,12 +78,15 @@ def live_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     lengths: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig = DEFAULT,
 ) -> torch.Tensor:
     """Attention of one query per row over the first ``lengths[b]`` slots of row ``b``.
 
     ``q`` is ``[B, H, 1, D]``; ``keys`` and ``values`` are ``[B, H, C, D]`` views of the
     ring with ``D`` contiguous; ``lengths`` is ``[B]`` int32. A row of length 0 gets zeros.
+    With ``scales`` (key and value scales, ``[B, H, C]`` each) the ring holds int8 and
+    slot ``c`` of head ``h`` stands for ``ring * scale``, dequantized as it is read.
     """
     b, h, t, d = q.shape
     assert t == 1 and keys.stride(-1) == 1 and values.stride(-1) == 1
@@ -82,12 +96,16 @@ def live_attention(
     part_out = torch.empty((b * h, splits, d), device=q.device, dtype=torch.float32)
     part_max = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
     part_sum = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
+    k_scale, v_scale = scales if scales is not None else (lengths, lengths)  # unread without QUANT
+    scale_strides = (*k_scale.stride()[:2], *v_scale.stride()[:2]) if scales is not None else (0, 0, 0, 0)
     _partials[(b * h, splits)](
-        q2, keys, values, lengths, part_out, part_max, part_sum,
+        q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum,
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
+        *scale_strides,
         h, splits, 1.0 / math.sqrt(d),
-        CHUNK=config.chunk, BLOCK_N=config.block_n, D=d, num_warps=config.warps, num_stages=config.stages,
+        QUANT=scales is not None, CHUNK=config.chunk, BLOCK_N=config.block_n, D=d,
+        num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
     _merge[(b * h,)](
@@ -101,10 +119,11 @@ if triton is not None:
 
     @triton.jit
     def _partials(
-        Q, K, V, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         heads, splits, scale,
-        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        QUANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     ) -> None:  # fmt: skip
         """One chunk of one (row, head): its softmax max, sum and weighted value sum."""
         row = tl.program_id(0)
@@ -118,6 +137,8 @@ if triton is not None:
         q = tl.load(Q + row * D + d).to(tl.float32) * scale
         k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
         v_base = V + b.to(tl.int64) * stride_vb + h * stride_vh
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + h * stride_ksh  # slots contiguous
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + h * stride_vsh
         m_i = tl.full([], float("-inf"), tl.float32)
         l_i = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([D], dtype=tl.float32)
@@ -126,12 +147,17 @@ if triton is not None:
             valid = n < end
             k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            if QUANT:
+                s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
             v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            pv = p
+            if QUANT:
+                pv = p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
         part = row * splits + split

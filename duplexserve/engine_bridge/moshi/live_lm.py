@@ -21,9 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from moshi.modules.transformer import StreamingMultiheadAttention, StreamingTransformer
+from moshi.modules.transformer import StreamingMultiheadAttention, StreamingTransformer, _MHAState
 
-from .live_attention import live_attention, prefix_mask, reference_attention, triton_available
+from .live_attention import (
+    dequantize,
+    live_attention,
+    prefix_mask,
+    quantize,
+    reference_attention,
+    triton_available,
+)
 
 
 @dataclass
@@ -32,6 +39,7 @@ class StepClock:
 
     capacity: int
     use_kernel: bool
+    quantized: bool = False  # int8 ring with a scale per (slot, head)
     active: bool = False
     offsets: torch.Tensor | None = None  # [B] position of this step's token (RoPE)
     slot: torch.Tensor | None = None  # [B, 1, 1, 1] ring slot written this step
@@ -56,10 +64,38 @@ def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> 
         clock.mask = prefix_mask(ends, clock.capacity)
 
 
+class QuantRing:
+    """The 8-bit ring that replaces moshi's ``RingKVCache`` with ``--moshi-kv-dtype int8``:
+    int8 K/V ``[2, B, H, C, D]`` and one scale per slot and head ``[2, B, H, C]``. It
+    keeps no offsets: the live path reads them from the transformer's clock."""
+
+    def __init__(self, batch: int, heads: int, dim: int, capacity: int, device: Any, dtype: Any) -> None:
+        self.cache = torch.zeros((2, batch, heads, capacity, dim), device=device, dtype=torch.int8)
+        self.scale = torch.zeros((2, batch, heads, capacity), device=device, dtype=dtype)
+
+    def reset(self, reset_mask: torch.Tensor) -> None:
+        """Nothing to clear: a reset row's length drops to 0, so its old slots go unread."""
+
+
 class LiveAttention(StreamingMultiheadAttention):
     """Causal self-attention whose one-step streaming forward reads only live slots."""
 
     _live_clock: StepClock
+
+    def _init_streaming_state(self, batch_size: int) -> _MHAState:
+        if not self._live_clock.quantized:
+            return super()._init_streaming_state(batch_size)
+        weight = self.in_projs[0].weight
+        ring = QuantRing(
+            batch_size,
+            self.num_heads,
+            self.embed_dim // self.num_heads,
+            self.context,
+            weight.device,
+            weight.dtype,
+        )
+        offset = torch.zeros(batch_size, device=weight.device, dtype=torch.long)
+        return _MHAState(batch_size, weight.device, ring, offset=offset, offset_cpu=0)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         clock = self._live_clock
@@ -72,12 +108,25 @@ class LiveAttention(StreamingMultiheadAttention):
         q, k, v = projected.view(b, 1, 3, heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
         if self.rope is not None:
             q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
-        ring = state.kv_cache.cache
         slot = clock.slot.expand(b, heads, 1, k.shape[-1])
+        scales = None
+        if clock.quantized:
+            ring, (k, k_scale), (v, v_scale) = state.kv_cache.cache, quantize(k), quantize(v)
+            scales = state.kv_cache.scale
+            scale_slot = slot[..., 0]
+            scales[0].scatter_(2, scale_slot, k_scale)
+            scales[1].scatter_(2, scale_slot, v_scale)
+        else:
+            ring = state.kv_cache.cache
         ring[0].scatter_(2, slot, k)
         ring[1].scatter_(2, slot, v)
         if clock.use_kernel:
-            x = live_attention(q, ring[0], ring[1], clock.lengths)
+            x = live_attention(
+                q, ring[0], ring[1], clock.lengths, None if scales is None else (scales[0], scales[1])
+            )
+        elif scales is not None:
+            keys, values = dequantize(ring, scales, q.dtype)
+            x = reference_attention(q, keys, values, clock.mask)
         else:
             x = reference_attention(q, ring[0], ring[1], clock.mask)
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
@@ -85,13 +134,14 @@ class LiveAttention(StreamingMultiheadAttention):
         return self.out_projs[0](x)
 
 
-def install_live_attention(lm: Any, use_kernel: bool | None = None) -> bool:
+def install_live_attention(lm: Any, use_kernel: bool | None = None, kv_dtype: str = "bf16") -> bool:
     """Give ``lm``'s temporal transformer live-prefix attention; False where it cannot apply.
 
     It applies to causal self-attention with one set of weights, no grouped KV heads and
     a ring as long as the context (every Moshi and Hibiki LM); ``use_kernel`` defaults
     to the Triton kernel where it can run (CUDA), else the bit-exact SDPA fallback.
-    Call before ``streaming_forever``.
+    ``kv_dtype="int8"`` stores the ring in 8 bits (``QuantRing``); any other value keeps
+    the library's ring in the model's dtype. Call before ``streaming_forever``.
     """
     transformer = lm.transformer
     attentions = [layer.self_attn for layer in transformer.layers]
@@ -105,7 +155,7 @@ def install_live_attention(lm: Any, use_kernel: bool | None = None) -> bool:
         return False
     if use_kernel is None:
         use_kernel = triton_available(next(lm.parameters()).device)
-    clock = StepClock(capacity=contexts.pop(), use_kernel=use_kernel)
+    clock = StepClock(capacity=contexts.pop(), use_kernel=use_kernel, quantized=kv_dtype == "int8")
     transformer._live_clock = clock
     transformer.register_forward_pre_hook(_before_layers)
     for attention in attentions:
