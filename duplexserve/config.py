@@ -47,8 +47,9 @@ class ServerConfig:
     moshi_tokenizer: str = _opt("", "moshi engine: SentencePiece model turning text tokens into text")
     moshi_context: int = _opt(0, "moshi engine: LM context (KV cache) in frames; 0: the model's own")
     moshi_dtype: str = _opt(
-        "auto", "moshi engine: LM weights dtype (auto: bfloat16 on GPU, float32 on CPU)",
-        ("auto", "bfloat16", "float16", "float32"),
+        "auto", "moshi engine: LM weights dtype (auto: bfloat16 on GPU, float32 on CPU; float64: "
+        "Mimi too, for exact comparisons)",
+        ("auto", "bfloat16", "float16", "float32", "float64"),
     )
     moshi_greedy: bool = _opt(False, "moshi engine: greedy decoding instead of sampling (tests)")
     moshi_temp: float = _opt(0.8, "moshi engine: audio sampling temperature")

@@ -35,7 +35,8 @@ def _ages(engine: Any, age: int) -> None:
     for layer in lm.transformer.layers:
         state = layer.self_attn._streaming_state
         state.offset[:] = age
-        state.kv_cache.end_offset[:] = age
+        if hasattr(state.kv_cache, "end_offset"):  # the stock ring; the 8-bit one keeps none
+            state.kv_cache.end_offset[:] = age
     engine.lm_gen._streaming_state.offsets[:] = age
     engine._steps[:] = age
 
@@ -63,10 +64,21 @@ class _Timed:
 
 
 def _kv_floor_ms(engine: Any, batch: int, live: int) -> float:
+    """Reading ``live`` slots of every row's ring once, at the HBM's copy bandwidth."""
+    from duplexserve.engine_bridge.moshi.memory import kv_bytes_per_slot
+
     lm = engine.lm_gen.lm_model
     attn = lm.transformer.layers[0].self_attn
-    per_slot = 2 * attn.embed_dim * next(lm.parameters()).element_size()  # K and V, all heads
-    return 1000 * batch * len(lm.transformer.layers) * per_slot * live / HBM_BYTES_PER_S
+    kv_dtype = engine.kv_dtype if engine.attention == "live" else "bf16"
+    per_frame = kv_bytes_per_slot(
+        len(lm.transformer.layers),
+        attn.embed_dim,
+        attn.num_heads,
+        1,
+        kv_dtype,
+        next(lm.parameters()).element_size(),
+    )
+    return 1000 * batch * per_frame * live / HBM_BYTES_PER_S
 
 
 def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
@@ -90,11 +102,13 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
         for t in (*parts.values(), whole):
             t.take_ms()
         wall = []
+        host0 = engine.timings["host_s"]
         for _ in range(steps):
             t0 = time.perf_counter()
             whole(slots, frames)
             wall.append(time.perf_counter() - t0)
         row: dict[str, Any] = {name: t.take_ms() for name, t in parts.items()}
+        row["host_enqueue"] = 1000 * (engine.timings["host_s"] - host0) / steps
         span = whole.take_ms()
         row["other"] = span - sum(row.values())
         row["gpu_span"] = span
@@ -128,13 +142,19 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     ages = [int(a) for a in args.ages.split(",")]
     rows = []
     for attention in args.attention.split(","):
-        engine = MoshiEngine(batches[0], args.preset, context=args.context, attention=attention)
+        engine = MoshiEngine(
+            batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype
+        )
         engine.start()
         for b in batches:
             if b != engine.num_slots:
                 engine.resize(b)
             for age in ages:
-                row = {"attention": attention, **breakdown(engine, b, age, args.steps)}
+                row = {
+                    "attention": attention,
+                    "kv_dtype": args.kv_dtype,
+                    **breakdown(engine, b, age, args.steps),
+                }
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
         print(json.dumps(rows[-1]["top_kernels"]), flush=True)
@@ -143,12 +163,12 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         gc.collect()
         torch.cuda.empty_cache()
     print(f"{'attn':>5} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} {'dec':>5} "
-          f"{'other':>5} {'busy':>5} {'wait':>5} {'KVfloor':>7}")  # fmt: skip
+          f"{'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
     for r in rows:
         print(
             f"{r['attention']:>5} {r['batch']:>4} {r['age']:>5} {r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
-            f"{r['other']:5.1f} {r['gpu_busy']:5.1f} {r['gpu_waits_on_host']:5.1f} {r['kv_floor_live']:7.1f}"
+            f"{r['other']:5.1f} {r['gpu_busy']:5.1f} {r['host_enqueue']:5.1f} {r['kv_floor_live']:7.1f}"
         )
     return rows
 
@@ -207,76 +227,109 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Sessions of a batched engine (some opening late, idle steps) against batch-1 Kyutai."""
+def _run_batched(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Sessions opening at different steps and skipping some, in one batch: audio, tokens."""
+    captured: list[Any] = []
+    step_fn = engine.lm_gen.step
+    engine.lm_gen.step = lambda codes: captured.append(step_fn(codes)) or captured[-1]
+    n, frames = len(inputs), len(inputs[0])
+    starts = [0, 0, 3, 7, 11, 20][:n]
+    audio: list[list[np.ndarray]] = [[] for _ in range(n)]
+    tokens: list[list[np.ndarray]] = [[] for _ in range(n)]
+    sent, step = [0] * n, 0
+    while any(s < frames for s in sent):
+        for i in range(n):
+            if step == starts[i]:
+                engine.open(i, {})
+        rows = [i for i in range(n) if step >= starts[i] and sent[i] < frames and step % 9 != i]
+        if rows:
+            result = engine.step(np.array(rows), np.stack([inputs[i][sent[i]] for i in rows]))
+            tok = captured.pop().cpu().numpy()
+            for r, i in enumerate(rows):
+                audio[i].append(result.audio[r].copy())
+                tokens[i].append(tok[i, :, 0])
+                sent[i] += 1
+        step += 1
+    engine.lm_gen.step = step_fn
+    skip = engine.delay_frames
+    return [np.stack(a) for a in audio], [np.stack(t[skip:]) for t in tokens]
+
+
+def _kyutai(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Kyutai's batch-1 loop on stock modules holding the engine's weights."""
     import torch
     from moshi.models import LMGen, loaders
 
+    preset = engine.preset
+    device, dtype = engine.device, next(engine.lm_gen.lm_model.parameters()).dtype
+    mimi = loaders.get_mimi(None, preset.mimi, device=device, num_codebooks=preset.codebooks)
+    lm = loaders.get_moshi_lm(None, lm_kwargs=dict(preset.lm), device=device, dtype=dtype)
+    mimi.load_state_dict(engine.mimi.state_dict())
+    lm.load_state_dict(engine.lm_gen.lm_model.state_dict())
+    audio, tokens = [], []
+    for x in inputs:
+        lm_gen = LMGen(lm, use_sampling=False)
+        a, t = [], []
+        with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
+            for frame in x:
+                tok = lm_gen.step(mimi.encode(torch.from_numpy(frame).to(device).view(1, 1, -1)))
+                if tok is None:
+                    a.append(np.zeros(FRAME, np.float32))
+                else:
+                    t.append(tok[0, :, 0].cpu().numpy())
+                    a.append(mimi.decode(tok[:, 1:])[0, 0].float().cpu().numpy())
+        audio.append(np.stack(a))
+        tokens.append(np.stack(t))
+    return audio, tokens
+
+
+def _compare(name: str, got: tuple, ref: tuple) -> dict[str, Any]:
+    same = sum(int((g == r).sum()) for g, r in zip(got[1], ref[1], strict=True))
+    total = sum(r.size for r in ref[1])
+    text = sum(int((g[:, 0] == r[:, 0]).sum()) for g, r in zip(got[1], ref[1], strict=True))
+    snrs = [
+        10 * np.log10((r**2).sum() / max(((a - r) ** 2).sum(), 1e-30))
+        for a, r in zip(got[0], ref[0], strict=True)
+    ]
+    text_total = sum(len(r) for r in ref[1])
+    return {"pair": name, "identical_tokens": same / total, "identical_text_tokens": text / text_total,
+            "snr_db_min": float(min(snrs)), "snr_db_median": float(np.median(snrs))}  # fmt: skip
+
+
+def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Batched variants (attention/kv dtype) against Kyutai's batch-1 loop and the first variant."""
+    import torch
+
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 
-    n_sessions, frames = 6, args.frames
-    rows = []
-    for attention in args.attention.split(","):
-        engine = MoshiEngine(8, args.preset, sampling=Sampling(greedy=True), attention=attention)
+    inputs = [
+        (np.random.default_rng(i).standard_normal((args.frames, FRAME)) * 0.1).astype(np.float32)
+        for i in range(6)
+    ]
+    results: dict[str, tuple] = {}
+    engine = None
+    for variant in args.variants.split(","):
+        attention, kv_dtype = variant.split("/")
+        engine = MoshiEngine(
+            8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype
+        )
         engine.start()
-        tokens_seen: dict[int, list[np.ndarray]] = {i: [] for i in range(n_sessions)}
-        step_fn = engine.lm_gen.step
-        captured: list[Any] = []
-        engine.lm_gen.step = lambda codes, c=captured, f=step_fn: c.append(f(codes)) or c[-1]
-        inputs = [(np.random.default_rng(i).standard_normal((frames, FRAME)) * 0.1).astype(np.float32)
-                  for i in range(n_sessions)]  # fmt: skip
-        starts = [0, 0, 3, 7, 11, 20]
-        outputs: dict[int, list[np.ndarray]] = {i: [] for i in range(n_sessions)}
-        sent = [0] * n_sessions
-        step = 0
-        while any(s < frames for s in sent):
-            rows_now = [
-                i for i in range(n_sessions) if step >= starts[i] and sent[i] < frames and step % 9 != i
-            ]
-            for i in range(n_sessions):
-                if step == starts[i]:
-                    engine.open(i, {})
-            if rows_now:
-                slots = np.array(rows_now)
-                result = engine.step(slots, np.stack([inputs[i][sent[i]] for i in rows_now]))
-                tok = captured.pop().cpu().numpy()
-                for r, i in enumerate(rows_now):
-                    outputs[i].append(result.audio[r].copy())
-                    tokens_seen[i].append(tok[i, :, 0])
-                    sent[i] += 1
-            step += 1
-        preset = engine.preset
-        mimi = loaders.get_mimi(None, preset.mimi, device="cuda", num_codebooks=preset.codebooks)
-        lm = loaders.get_moshi_lm(None, lm_kwargs=dict(preset.lm), device="cuda", dtype=torch.bfloat16)
-        mimi.load_state_dict(engine.mimi.state_dict())
-        lm.load_state_dict(engine.lm_gen.lm_model.state_dict())
-        engine.stop()
-        same_tokens, total_tokens, snrs = 0, 0, []
-        for i in range(n_sessions):
-            lm_gen = LMGen(lm, use_sampling=False)
-            ref_audio, ref_tokens = [], []
-            with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
-                for frame in inputs[i]:
-                    tok = lm_gen.step(mimi.encode(torch.from_numpy(frame).cuda().view(1, 1, -1)))
-                    if tok is None:
-                        ref_audio.append(np.zeros(FRAME, np.float32))
-                    else:
-                        ref_tokens.append(tok[0, :, 0].cpu().numpy())
-                        ref_audio.append(mimi.decode(tok[:, 1:])[0, 0].float().cpu().numpy())
-            got = np.stack(tokens_seen[i][engine.delay_frames :])
-            ref = np.stack(ref_tokens)
-            same_tokens += int((got == ref).sum())
-            total_tokens += ref.size
-            a, r = np.stack(outputs[i]), np.stack(ref_audio)
-            snrs.append(10 * np.log10((r**2).sum() / max(((a - r) ** 2).sum(), 1e-30)))
-        row = {"attention": attention, "preset": args.preset, "sessions": n_sessions, "frames": frames,
-               "identical_tokens": same_tokens / total_tokens, "snr_db_min": float(min(snrs)),
-               "snr_db_median": float(np.median(snrs))}  # fmt: skip
-        rows.append(row)
+        results[variant] = _run_batched(engine, inputs)
+        if variant != args.variants.split(",")[-1]:
+            engine.stop()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    assert engine is not None
+    reference = _kyutai(engine, inputs)
+    engine.stop()
+    first = next(iter(results))
+    rows = [{"preset": args.preset, "frames": args.frames, **_compare(f"{v} vs kyutai batch-1", r, reference)}
+            for v, r in results.items()]  # fmt: skip
+    rows += [{"preset": args.preset, "frames": args.frames, **_compare(f"{v} vs {first}", r, results[first])}
+             for v, r in results.items() if v != first]  # fmt: skip
+    for row in rows:
         print(json.dumps(row), flush=True)
-        del lm, mimi
-        gc.collect()
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -291,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--batches", default="1,32,64,128,192,224")
         p.add_argument("--ages", default="375,2999", help="frames into each session (breakdown)")
         p.add_argument("--attention", default="stock,live")
+        p.add_argument("--kv-dtype", default="bf16", help="breakdown: bf16 or int8")
+        p.add_argument("--variants", default="live/bf16,live/int8,stock/bf16", help="agreement")
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")

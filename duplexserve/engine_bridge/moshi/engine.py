@@ -87,7 +87,7 @@ class MoshiEngine(Engine):
         self._reset = np.zeros(num_slots, dtype=bool)  # slots to reset before the next step
         self._exec = np.zeros(num_slots, dtype=bool)
         self._decode = np.zeros(num_slots, dtype=bool)
-        self.timings = {"steps": 0, "step_s": 0.0}
+        self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -113,6 +113,7 @@ class MoshiEngine(Engine):
             "bfloat16": torch.bfloat16,
             "float16": torch.float16,
             "float32": torch.float32,
+            "float64": torch.float64,  # both models: exact comparisons across batch sizes (tests)
         }[self.dtype_name]
         torch.manual_seed(self.seed)
         started = time.perf_counter()
@@ -122,6 +123,8 @@ class MoshiEngine(Engine):
                 lm_kwargs["context"] = self.context
             codebooks = self.preset.codebooks
             mimi = loaders.get_mimi(None, self.preset.mimi, device=device, num_codebooks=codebooks)
+            if dtype == torch.float64:
+                mimi = mimi.double()
             lm = loaders.get_moshi_lm(None, lm_kwargs=lm_kwargs, device=device, dtype=dtype)
             _calibrate_codebooks(mimi)
         else:
@@ -179,7 +182,8 @@ class MoshiEngine(Engine):
         self._exec = np.zeros(b, dtype=bool)
         self._decode = np.zeros(b, dtype=bool)
         pin = self.device.type == "cuda"
-        self._in_host = torch.zeros((b, 1, n), dtype=torch.float32, pin_memory=pin)
+        mimi_dtype = next(self.mimi.parameters()).dtype  # float32, as Kyutai runs it (float64: tests)
+        self._in_host = torch.zeros((b, 1, n), dtype=mimi_dtype, pin_memory=pin)
         self._in_np = self._in_host.numpy()[:, 0, :]
         self._in_dev = self._in_host.to(self.device) if pin else self._in_host
         self._out_host = torch.zeros((b, n), dtype=torch.float32, pin_memory=pin)
@@ -224,7 +228,7 @@ class MoshiEngine(Engine):
             self.step(everyone, silence)
         self._reset[:] = True
         self._steps[:] = 0
-        self.timings = {"steps": 0, "step_s": 0.0}
+        self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._reset[slot] = True
@@ -266,6 +270,7 @@ class MoshiEngine(Engine):
                 pcm = self.mimi.decode(tokens[:, 1:].clamp(min=0))
                 self._out_host.copy_(pcm[:, 0], non_blocking=True)
             self._text_host.copy_(tokens[:, 0, 0], non_blocking=True)
+            queued = time.perf_counter()  # the host's part: everything is queued on the GPU
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         audio = self._out_np[slots]  # fancy indexing: a copy, the buffers are reused
@@ -273,6 +278,7 @@ class MoshiEngine(Engine):
         text = self._text(slots, ready) if self.tokenizer is not None else {}
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - started
+        self.timings["host_s"] += queued - started
         return StepResult(audio, text)
 
     def _text(self, slots: np.ndarray, ready: np.ndarray) -> dict[int, str]:
@@ -314,7 +320,9 @@ def _calibrate_codebooks(mimi: Any) -> None:
     device = next(mimi.parameters()).device
     batch = 16
     frames = -(-max(64, mimi.cardinality) // batch)  # at least one latent per centroid
-    x = torch.randn(batch, 1, frames * 1920, device=device) * torch.rand(batch, 1, 1, device=device)
+    dtype = next(mimi.parameters()).dtype
+    x = torch.randn(batch, 1, frames * 1920, device=device, dtype=dtype)
+    x = x * torch.rand(batch, 1, 1, device=device, dtype=dtype)
     quantizer = mimi.quantizer
     with torch.no_grad():
         latents = mimi._encode_to_unquantized_latent(x)
