@@ -3,9 +3,9 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
-#   rtf-MODEL-N[-process][-stock][-ctxC]
+#   rtf-MODEL-N[-process][-stock][-int8][-ctxC]
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
-#                           own process, moshi's stock attention, LM context C frames
+#                           own process, moshi's stock attention, 8-bit KV, LM context C
 #   breakdown | attention | agreement
 #                           duplexserve/bench/moshi_step.py (step parts, one layer, vs batch 1)
 set -uo pipefail
@@ -34,6 +34,7 @@ for phase in "$@"; do
       for extra in "${parts[@]:3}"; do
         [ "$extra" = process ] && flags+=(--engine-process)
         [ "$extra" = stock ] && flags+=(--attention stock)
+        [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
       done
       python3 scripts/bench_moshi.py rtf --preset "$preset" --sessions "$n" "${flags[@]}" \

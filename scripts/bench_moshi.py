@@ -230,7 +230,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "--moshi-preset", args.preset, "--max-sessions", str(args.sessions), "--log-level", "info",
         "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
         *(["--moshi-context", str(args.context)] if args.context else []),
-        "--moshi-attention", args.attention,
+        "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
     ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -291,6 +291,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "engine": "process" if args.engine_process else "thread",
         "context": args.context or "preset",
         "attention": args.attention,
+        "kv_dtype": args.kv_dtype,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
         "startup_s": startup,
@@ -361,6 +362,7 @@ def main() -> None:
     r.add_argument("--engine-process", action="store_true")
     r.add_argument("--context", type=int, default=0)
     r.add_argument("--attention", default="live", choices=("live", "stock"))
+    r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")
     r.add_argument("--out", default="")
