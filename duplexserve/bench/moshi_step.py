@@ -108,9 +108,9 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
             whole(slots, frames)
             wall.append(time.perf_counter() - t0)
         row: dict[str, Any] = {name: t.take_ms() for name, t in parts.items()}
-        row["host_enqueue"] = 1000 * (engine.timings["host_s"] - host0) / steps
         span = whole.take_ms()
         row["other"] = span - sum(row.values())
+        row["host_enqueue"] = 1000 * (engine.timings["host_s"] - host0) / steps
         row["gpu_span"] = span
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):

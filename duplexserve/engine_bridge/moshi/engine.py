@@ -179,9 +179,11 @@ class MoshiEngine(Engine):
         self.num_slots = b
         self._steps = np.zeros(b, dtype=np.int64)
         self._reset = np.zeros(b, dtype=bool)
-        self._exec = np.zeros(b, dtype=bool)
-        self._decode = np.zeros(b, dtype=bool)
         pin = self.device.type == "cuda"
+        self._exec_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)
+        self._exec = self._exec_host.numpy()
+        self._decode_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)
+        self._decode = self._decode_host.numpy()
         mimi_dtype = next(self.mimi.parameters()).dtype  # float32, as Kyutai runs it (float64: tests)
         self._in_host = torch.zeros((b, 1, n), dtype=mimi_dtype, pin_memory=pin)
         self._in_np = self._in_host.numpy()[:, 0, :]
@@ -197,7 +199,30 @@ class MoshiEngine(Engine):
         with torch.no_grad():
             self.mimi.streaming_forever(b)
             self.lm_gen.streaming_forever(b)
+        self._share_exec_mask(b)
         self._warm_up()
+
+    def _share_exec_mask(self, b: int) -> None:
+        """Make every streaming state of Mimi and the LM read one device mask.
+
+        The library's ``set_exec_mask`` walks every streaming module and copies a host
+        mask into each module's own tensor: hundreds of Python calls and copies a step,
+        and a pageable host tensor makes each copy wait for the GPU to reach it, so the
+        host stalls behind the step it is queueing. With one shared tensor, a step sets
+        its masks with one asynchronous copy from pinned memory each (the encode mask,
+        then the decode mask, in stream order). Done before the graphs are captured.
+        """
+        from moshi.modules.streaming import StreamingModule
+
+        self._mask_dev = self._torch.ones(b, dtype=self._torch.bool, device=self.device)
+        states = [self.lm_gen._streaming_state] + [
+            m._streaming_state
+            for model in (self.mimi, self.lm_gen.lm_model)
+            for m in model.modules()
+            if isinstance(m, StreamingModule) and m._streaming_state is not None
+        ]
+        for state in states:
+            state.exec_mask = self._mask_dev
 
     def _memory_plan(self, slots: int) -> MemoryPlan:
         lm = self.lm_gen.lm_model
@@ -243,7 +268,7 @@ class MoshiEngine(Engine):
         started = time.perf_counter()
         with torch.no_grad(), self._no_compile():
             if self._reset.any():
-                mask = torch.from_numpy(self._reset)
+                mask = torch.from_numpy(self._reset).to(self.device)  # one copy, not one a module
                 self.mimi.reset_streaming(mask)
                 self.lm_gen.reset_streaming(mask)
                 self._reset[:] = False
@@ -253,9 +278,7 @@ class MoshiEngine(Engine):
             self._in_np[slots] = frames
             if self._in_dev is not self._in_host:
                 self._in_dev.copy_(self._in_host, non_blocking=True)
-            mask_t = torch.from_numpy(exec_mask)
-            self.mimi.set_exec_mask(mask_t)
-            self.lm_gen.set_exec_mask(mask_t)
+            self._mask_dev.copy_(self._exec_host, non_blocking=True)
             codes = self.mimi.encode(self._in_dev)
             tokens = self.lm_gen.step(codes)
             assert tokens is not None  # support_out_of_sync: never None
@@ -266,7 +289,7 @@ class MoshiEngine(Engine):
             decode[:] = False
             decode[slots[ready]] = True
             if ready.any():
-                self.mimi.set_exec_mask(torch.from_numpy(decode))
+                self._mask_dev.copy_(self._decode_host, non_blocking=True)
                 pcm = self.mimi.decode(tokens[:, 1:].clamp(min=0))
                 self._out_host.copy_(pcm[:, 0], non_blocking=True)
             self._text_host.copy_(tokens[:, 0, 0], non_blocking=True)
