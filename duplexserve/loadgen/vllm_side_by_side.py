@@ -72,7 +72,7 @@ def serve_vllm_omni(port: int, max_sessions: int) -> None:
     from vllm_omni.entrypoints.duplex_omni import DuplexOmni
     from vllm_omni.entrypoints.openai.api_server import router
 
-    from duplexserve.engine_bridge.vllm_omni_standin import CountingExecutor, StandInDuplexOmniEngine
+    from duplexserve.testing.vllm_omni_standin import CountingExecutor, StandInDuplexOmniEngine
 
     counts = {"audio_deltas": 0}
 
@@ -368,7 +368,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
     import numpy as np
 
     from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge
-    from duplexserve.engine_bridge.vllm_omni.setup import STANDIN_MODEL, session_payload, standin_builder
+    from duplexserve.engine_bridge.vllm_omni.setup import session_payload
+    from duplexserve.testing.vllm_omni_standin import MODEL_NAME, standin_builder
 
     rng = np.random.default_rng(0)
     pcm = (rng.integers(-16000, 16000, 64 * 1920) / 32768).astype(np.float32).reshape(64, 1920)
@@ -397,8 +398,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
         bridge = VllmOmniBridge(
             standin_builder(sessions, 5, 0.0),
             on_outputs,
-            session_payload=session_payload(STANDIN_MODEL, 24000, {}),
-            model=STANDIN_MODEL,
+            session_payload=session_payload(MODEL_NAME, 24000, {}),
+            model=MODEL_NAME,
         )
         await bridge.start()
         for slot in range(sessions):

@@ -21,8 +21,8 @@ require_vllm_omni()
 from duplexserve import errors  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni.events import InputFramer  # noqa: E402
-from duplexserve.engine_bridge.vllm_omni.setup import session_payload, standin_builder  # noqa: E402
-from duplexserve.engine_bridge.vllm_omni_standin import MODEL_NAME  # noqa: E402
+from duplexserve.engine_bridge.vllm_omni.setup import session_payload  # noqa: E402
+from duplexserve.testing.vllm_omni_standin import MODEL_NAME, standin_builder  # noqa: E402
 
 FRAME = 1920
 

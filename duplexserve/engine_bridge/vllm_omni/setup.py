@@ -11,9 +11,6 @@ from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniEngine
 from duplexserve.engine_bridge.vllm_omni.events import MODEL_RATE
 
-#: The model name the stand-in engine reports (``--vllm-omni-standin``).
-STANDIN_MODEL = "duplexserve/standin-echo"
-
 
 def session_payload(model: str, input_rate: int, overrides: dict[str, Any]) -> dict[str, Any]:
     """The Realtime session object each session opens with (PersonaPlex's preset by default).
@@ -45,21 +42,6 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
     return value
 
 
-def standin_builder(max_sessions: int, text_every: int, step_ms: float, **options: Any) -> Callable[[], Any]:
-    """The stand-in engine; ``options`` (from --vllm-omni-args) override its settings."""
-    settings = {"max_sessions": max_sessions, "text_every": text_every, "step_ms": step_ms, **options}
-
-    def build() -> tuple[Any, Callable[[], None]]:
-        from vllm_omni.entrypoints.duplex.audio_encoding import encode_audio
-
-        from duplexserve.engine_bridge.vllm_omni_standin import StandInDuplexOmniEngine
-
-        engine = StandInDuplexOmniEngine(duplex_audio_encoder=encode_audio, **settings)
-        return engine, engine.shutdown
-
-    return build
-
-
 def model_builder(model: str, deploy_config: str, args: dict[str, Any]) -> Callable[[], Any]:
     """``DuplexOmni`` builds the engine exactly as ``vllm-omni serve`` does; only its engine is used."""
 
@@ -83,8 +65,10 @@ def vllm_omni_engine_from_config(config: ServerConfig) -> VllmOmniEngine:
         )
     overrides = _json_object(config.vllm_omni_session, "--vllm-omni-session")
     args = _json_object(config.vllm_omni_args, "--vllm-omni-args")
-    if config.vllm_omni_standin:
-        model, rate = STANDIN_MODEL, MODEL_RATE
+    if config.vllm_omni_standin:  # the test and benchmark double, loaded only when asked
+        from duplexserve.testing.vllm_omni_standin import MODEL_NAME, standin_builder
+
+        model, rate = MODEL_NAME, MODEL_RATE
         defaults = {
             "max_sessions": config.max_sessions,
             "text_every": config.text_every,

@@ -27,7 +27,7 @@ import asyncio
 import base64
 import importlib.util
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -57,9 +57,8 @@ from vllm_omni.engine.orchestrator import OrchestratorBase, StreamingSegmentStat
 from vllm_omni.engine.stage_runtime import StageRuntimeInfo
 from vllm_omni.outputs import OmniRequestOutput
 
-from duplexserve.engine_bridge.vllm_omni.setup import STANDIN_MODEL
-
-MODEL_NAME = STANDIN_MODEL
+#: The model name the stand-in engine reports (``--vllm-omni-standin``).
+MODEL_NAME = "duplexserve/standin-echo"
 SAMPLE_RATE = 24000
 FRAME_SAMPLES = 1920
 
@@ -415,3 +414,16 @@ class StandInDuplexOmniEngine(DuplexOmniEngine):
             **orchestrator_kwargs,
         )
         return self.orchestrator
+
+
+def standin_builder(max_sessions: int, text_every: int, step_ms: float, **options: Any) -> Callable[[], Any]:
+    """The stand-in engine; ``options`` (from --vllm-omni-args) override its settings."""
+    settings = {"max_sessions": max_sessions, "text_every": text_every, "step_ms": step_ms, **options}
+
+    def build() -> tuple[Any, Callable[[], None]]:
+        from vllm_omni.entrypoints.duplex.audio_encoding import encode_audio
+
+        engine = StandInDuplexOmniEngine(duplex_audio_encoder=encode_audio, **settings)
+        return engine, engine.shutdown
+
+    return build
