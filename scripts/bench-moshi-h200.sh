@@ -19,7 +19,7 @@ for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in
     steps-hibiki)
-      python3 scripts/bench_moshi.py steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
+      python3 -m duplexserve bench moshi-steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
         --out "$OUT/steps-hibiki.json" ;;
     rtf-*)
       IFS=- read -r _ model n extra <<<"$phase"
@@ -27,7 +27,7 @@ for phase in "$@"; do
       flags=()
       [ "$extra" = process ] && flags+=(--engine-process)
       [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
-      python3 scripts/bench_moshi.py rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
+      python3 -m duplexserve bench moshi-rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
         --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
       [ -f "$OUT/one.json" ] && { python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/one.json" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }
       { echo "=== $phase"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | tail -40; } >>"$OUT/server-logs.txt"

@@ -1,4 +1,4 @@
-"""``duplexserve bench``: the benchmark suite of docs/benchmarks.md.
+"""``duplexserve bench [burst|ws|rtf|capacity ...]``: the suite of docs/benchmarks.md.
 
 Each benchmark starts the servers it compares (pinned to core 0), runs the load
 generator from the other cores, interleaves the variants it compares inside one run
@@ -15,7 +15,8 @@ table with the ratios and the targets, and writes JSON and PNG plots into ``--ou
 - ``capacity``: paced sessions in steps; the largest count whose guards hold with zero
   underruns and a p99 within 1.2x of the bare echo's at the same count.
 
-``--short`` runs CI-sized versions of each (seconds, not minutes).
+``--short`` runs CI-sized versions of each (seconds, not minutes). Bare
+``duplexserve bench`` runs all four; a name picks one, and more names may follow it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 H200_2B_BASE_MS = 21.0
 H200_2B_PER_SESSION_MS = 0.184
 
-BENCHMARKS = ("burst", "ws", "rtf", "capacity")
+NAMES = ("burst", "ws", "rtf", "capacity")
 
 
 @dataclass
@@ -54,29 +55,60 @@ SHORT = Scale(burst_levels=(16,), burst_frames=64, reps=2, rtf_levels=(8,), rtf_
               capacity_levels=(10, 20), capacity_steady_s=1.5)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("benchmarks", nargs="*", default=["all"], choices=(*BENCHMARKS, "all"),
-                   help="which benchmarks (default all)")
-    p.add_argument("--short", action="store_true", help="CI-sized: seconds instead of minutes")
-    p.add_argument("--out", default="bench-out", help="folder for JSON and plots")
-    p.add_argument("--reps", type=int, help="interleaved repetitions for burst and ws")
-    p.add_argument("--capacity", help="comma list of session counts for the capacity sweep")
-    p.add_argument("--capacity-steady-s", type=float, help="seconds with every session streaming")
-    p.add_argument("--message-ms", type=int, default=160, help="message size of the paced benchmarks")
-    p.add_argument("--processes", type=int, default=1, help="client processes")
-    p.add_argument("--no-pin", action="store_true", help="do not pin server and client to cores")
-    p.add_argument("--server-cpu", type=int, default=0,
-                   help="the core the servers run on (the client gets the others)")
-    p.add_argument("--nice", type=int, default=0,
+#: The suite's options, declared without defaults (:func:`add_options`) and filled in by :func:`run`.
+DEFAULTS: dict[str, Any] = {
+    "short": False, "out": "bench-out", "reps": None, "capacity": None, "capacity_steady_s": None,
+    "message_ms": 160, "processes": 1, "no_pin": False, "server_cpu": 0, "nice": 0, "no_progress": False,
+}
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The suite's options, on ``duplexserve bench`` and on each suite subcommand.
+
+    They are declared with no default, so an option given before the benchmark's name
+    is not reset by the subcommand's parser; :func:`run` fills in :data:`DEFAULTS`.
+    """
+    none = argparse.SUPPRESS
+    p.add_argument("--short", action="store_true", default=none,
+                   help="CI-sized: seconds instead of minutes")
+    p.add_argument("--out", default=none, help="folder for JSON and plots (default bench-out)")
+    p.add_argument("--reps", type=int, default=none, help="interleaved repetitions for burst and ws")
+    p.add_argument("--capacity", default=none, help="comma list of session counts for the capacity sweep")
+    p.add_argument("--capacity-steady-s", type=float, default=none,
+                   help="seconds with every session streaming")
+    p.add_argument("--message-ms", type=int, default=none,
+                   help="message size of the paced benchmarks (default 160)")
+    p.add_argument("--processes", type=int, default=none, help="client processes (default 1)")
+    p.add_argument("--no-pin", action="store_true", default=none,
+                   help="do not pin server and client to cores")
+    p.add_argument("--server-cpu", type=int, default=none,
+                   help="the core the servers run on (the client gets the others; default 0)")
+    p.add_argument("--nice", type=int, default=none,
                    help="scheduling priority of client and servers (e.g. -10 on a busy shared machine; root)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", default=none)
+
+
+def _name(value: str) -> str:
+    """A suite name; checked here, since ``choices`` rejects an empty ``nargs="*"`` on Python 3.11."""
+    if value not in (*NAMES, "all"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(NAMES)}, all)")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """A suite subcommand: its options, and more of the suite's names to run after it."""
+    p.add_argument("more", nargs="*", type=_name, metavar="BENCHMARK",
+                   help=f"more of the suite to run after this one ({', '.join(NAMES)}, all)")
+    add_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from duplexserve.loadgen.servers import pin_client, raise_priority
+    from duplexserve.bench.servers import pin_client, raise_priority
 
+    for name, value in DEFAULTS.items():
+        vars(args).setdefault(name, value)
     console = Console(width=None if Console().is_terminal else 140)
     scale = SHORT if args.short else Scale()
     if args.reps:
@@ -85,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         scale = replace(scale, capacity_levels=tuple(int(c) for c in args.capacity.split(",")))
     if args.capacity_steady_s:
         scale = replace(scale, capacity_steady_s=args.capacity_steady_s)
-    chosen = BENCHMARKS if "all" in args.benchmarks else tuple(dict.fromkeys(args.benchmarks))
+    named = [args.benchmark or "all", *getattr(args, "more", [])]
+    chosen = NAMES if "all" in named else tuple(dict.fromkeys(named))
     pinning = "not pinned" if args.no_pin else pin_client(args.server_cpu)
     pinning += ", " + raise_priority(args.nice)
     short = " (short)" if args.short else ""
@@ -205,8 +238,8 @@ class Bench:
         """Benchmarks 1 and 4: host burst, echo floor vs duplexserve vs the per-frame offload path."""
         from rich.table import Table
 
+        from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
-        from duplexserve.loadgen.servers import Server, running
 
         self.console.rule("host burst, side by side")
         common = ["--text-every", "0", "--max-sessions", "256"]
@@ -262,7 +295,7 @@ class Bench:
         """uvicorn's two WebSocket implementations, by burst CPU per frame."""
         from rich.table import Table
 
-        from duplexserve.loadgen.servers import Server, running
+        from duplexserve.bench.servers import Server, running
 
         self.console.rule("uvicorn WebSocket implementation")
         common = ["--text-every", "0", "--max-sessions", "256"]
@@ -296,8 +329,8 @@ class Bench:
         """Benchmark 2: paced sessions against an engine that steps like an H200 2B-class model."""
         from rich.table import Table
 
+        from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
-        from duplexserve.loadgen.servers import Server, running
 
         self.console.rule("RTF run, H200 2B-class step model")
         server = Server("duplexserve", "duplexserve", [
@@ -337,9 +370,9 @@ class Bench:
         """Benchmark 3: paced capacity on one server core, judged against the bare echo at each count."""
         from rich.table import Table
 
+        from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
         from duplexserve.loadgen.runner import LoadSpec
-        from duplexserve.loadgen.servers import Server, running
 
         self.console.rule("paced capacity sweep")
         top = max(self.scale.capacity_levels)
