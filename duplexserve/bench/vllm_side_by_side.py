@@ -370,8 +370,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
     import numpy as np
 
     from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge
-    from duplexserve.engine_bridge.vllm_omni.setup import session_payload
-    from duplexserve.testing.vllm_omni_standin import MODEL_NAME, standin_builder
+    from duplexserve.engine_bridge.vllm_omni.setup import session_payload, standin_builder
+    from duplexserve.testing import STANDIN_MODEL
 
     rng = np.random.default_rng(0)
     pcm = (rng.integers(-16000, 16000, 64 * 1920) / 32768).astype(np.float32).reshape(64, 1920)
@@ -400,8 +400,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
         bridge = VllmOmniBridge(
             standin_builder(sessions, 5, 0.0),
             on_outputs,
-            session_payload=session_payload(MODEL_NAME, 24000, {}),
-            model=MODEL_NAME,
+            session_payload=session_payload(STANDIN_MODEL, 24000, {}),
+            model=STANDIN_MODEL,
         )
         await bridge.start()
         for slot in range(sessions):

@@ -27,7 +27,7 @@ import asyncio
 import base64
 import importlib.util
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -57,8 +57,8 @@ from vllm_omni.engine.orchestrator import OrchestratorBase, StreamingSegmentStat
 from vllm_omni.engine.stage_runtime import StageRuntimeInfo
 from vllm_omni.outputs import OmniRequestOutput
 
-#: The model name the stand-in engine reports (``--vllm-omni-standin``).
-MODEL_NAME = "duplexserve/standin-echo"
+from duplexserve.testing import STANDIN_MODEL
+
 SAMPLE_RATE = 24000
 FRAME_SAMPLES = 1920
 
@@ -366,7 +366,7 @@ class StandInDuplexOmniEngine(DuplexOmniEngine):
             "step_ms": step_ms,
             "idle_ttl_s": idle_ttl_s,
         }
-        super().__init__(MODEL_NAME, duplex_audio_encoder=duplex_audio_encoder, **kwargs)
+        super().__init__(STANDIN_MODEL, duplex_audio_encoder=duplex_audio_encoder, **kwargs)
 
     def _validate_deployment(self) -> None:
         self.deploy_config = SimpleNamespace(session_mode="duplex")
@@ -415,15 +415,3 @@ class StandInDuplexOmniEngine(DuplexOmniEngine):
         )
         return self.orchestrator
 
-
-def standin_builder(max_sessions: int, text_every: int, step_ms: float, **options: Any) -> Callable[[], Any]:
-    """The stand-in engine; ``options`` (from --vllm-omni-args) override its settings."""
-    settings = {"max_sessions": max_sessions, "text_every": text_every, "step_ms": step_ms, **options}
-
-    def build() -> tuple[Any, Callable[[], None]]:
-        from vllm_omni.entrypoints.duplex.audio_encoding import encode_audio
-
-        engine = StandInDuplexOmniEngine(duplex_audio_encoder=encode_audio, **settings)
-        return engine, engine.shutdown
-
-    return build

@@ -10,6 +10,7 @@ from typing import Any
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniEngine
 from duplexserve.engine_bridge.vllm_omni.events import MODEL_RATE
+from duplexserve.testing import STANDIN_MODEL
 
 
 def session_payload(model: str, input_rate: int, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +43,24 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
     return value
 
 
+def standin_builder(max_sessions: int, text_every: int, step_ms: float, **options: Any) -> Callable[[], Any]:
+    """The stand-in engine; ``options`` (from --vllm-omni-args) override its settings.
+
+    The test double's module (and vLLM-Omni with it) is imported only when the engine is built.
+    """
+    settings = {"max_sessions": max_sessions, "text_every": text_every, "step_ms": step_ms, **options}
+
+    def build() -> tuple[Any, Callable[[], None]]:
+        from vllm_omni.entrypoints.duplex.audio_encoding import encode_audio
+
+        from duplexserve.testing.vllm_omni_standin import StandInDuplexOmniEngine
+
+        engine = StandInDuplexOmniEngine(duplex_audio_encoder=encode_audio, **settings)
+        return engine, engine.shutdown
+
+    return build
+
+
 def model_builder(model: str, deploy_config: str, args: dict[str, Any]) -> Callable[[], Any]:
     """``DuplexOmni`` builds the engine exactly as ``vllm-omni serve`` does; only its engine is used."""
 
@@ -65,10 +84,8 @@ def vllm_omni_engine_from_config(config: ServerConfig) -> VllmOmniEngine:
         )
     overrides = _json_object(config.vllm_omni_session, "--vllm-omni-session")
     args = _json_object(config.vllm_omni_args, "--vllm-omni-args")
-    if config.vllm_omni_standin:  # the test and benchmark double, loaded only when asked
-        from duplexserve.testing.vllm_omni_standin import MODEL_NAME, standin_builder
-
-        model, rate = MODEL_NAME, MODEL_RATE
+    if config.vllm_omni_standin:
+        model, rate = STANDIN_MODEL, MODEL_RATE
         defaults = {
             "max_sessions": config.max_sessions,
             "text_every": config.text_every,
