@@ -7,11 +7,12 @@ import logging
 import sys
 
 from duplexserve.config import ServerConfig
+from duplexserve.subcommands import LazyParser, from_module
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duplexserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     serve_p = sub.add_parser(
         "serve",
         help="run the WebSocket server",
@@ -19,19 +20,20 @@ def main(argv: list[str] | None = None) -> int:
         "reads an environment variable, named in its help.",
     )
     ServerConfig.add_arguments(serve_p)
-    from duplexserve.loadgen import bench, command
-
-    command.add_arguments(sub.add_parser(
-        "loadgen", help="drive a server with sessions and measure it", description=command.__doc__
-    ))
-    bench.add_arguments(sub.add_parser(
-        "bench", help="run the benchmark suite (docs/benchmarks.md)", description=bench.__doc__
-    ))
+    sub.add_parser("loadgen", help="drive a server with sessions and measure it",
+                   define=from_module("duplexserve.loadgen.command"))
+    sub.add_parser("bench", help="run a benchmark (docs/benchmarks.md)",
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                   define=from_module("duplexserve.bench.command"))
     args = parser.parse_args(argv)
     if args.command == "loadgen":
+        from duplexserve.loadgen import command
+
         return command.run(args)
     if args.command == "bench":
-        return bench.run(args)
+        from duplexserve.bench import command
+
+        return command.run(args)
     if args.command == "serve":
         config = ServerConfig.from_namespace(args)
         try:

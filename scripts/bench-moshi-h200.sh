@@ -7,7 +7,7 @@
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
 #                           own process, moshi's stock attention, 8-bit KV, LM context C
 #   breakdown | attention | agreement
-#                           duplexserve/bench/moshi_step.py (step parts, one layer, vs batch 1)
+#                           duplexserve bench moshi-step (step parts, one layer, vs batch 1)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -22,10 +22,10 @@ for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in
     steps-hibiki)
-      python3 scripts/bench_moshi.py steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
+      python3 -m duplexserve bench moshi-steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
         --out "$OUT/steps-hibiki.json" ;;
     breakdown|attention|agreement)
-      python3 -m duplexserve.bench.moshi_step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
+      python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"
       preset=$([ "${parts[1]}" = moshi7b ] && echo moshi-7b || echo hibiki-2b)
@@ -37,7 +37,7 @@ for phase in "$@"; do
         [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
       done
-      python3 scripts/bench_moshi.py rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
+      python3 -m duplexserve bench moshi-rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
         --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
       [ -f "$OUT/one.json" ] && { python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/one.json" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }
       { echo "=== $phase"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | tail -40; } >>"$OUT/server-logs.txt"

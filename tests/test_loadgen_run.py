@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from duplexserve.bench.servers import Server
 from duplexserve.loadgen.runner import LoadSpec, run_load
-from duplexserve.loadgen.servers import Server
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from duplexserve.loadgen.soak import soak
+from duplexserve.bench.soak import soak
 
 
 def test_short_soak_leaks_nothing_and_loses_nothing(server_factory):

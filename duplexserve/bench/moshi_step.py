@@ -333,11 +333,8 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="part", required=True)
     for name in ("breakdown", "attention", "agreement"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="hibiki-2b")
@@ -349,17 +346,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")
-        p.add_argument("--kernels", default="256/64/4/1", help="chunk/block/warps/stages,... (attention)")
+        p.add_argument("--kernels", default="256/32/2/3", help="chunk/block/warps/stages,... (attention)")
         p.add_argument("--out", default="")
-    args = parser.parse_args(argv)
-    rows = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}[args.command](
+
+
+def run(args: argparse.Namespace) -> None:
+    rows = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}[args.part](
         args
     )
     if args.out:
-        Path(args.out).write_text(
-            json.dumps({"command": args.command, "args": vars(args), "rows": rows}, indent=1)
-        )
-
-
-if __name__ == "__main__":
-    main()
+        Path(args.out).write_text(json.dumps({"part": args.part, "args": vars(args), "rows": rows}, indent=1))

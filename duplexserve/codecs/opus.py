@@ -5,7 +5,7 @@ decoder carry state from page to page. The writer's first output holds the OpusH
 and OpusTags pages before the audio; each 80 ms frame then becomes two 40 ms packets,
 one Ogg page each (the layout ``moshi/server.py`` produces).
 
-sphn holds the GIL while it encodes or decodes (``python -m duplexserve.codecs.bench``
+sphn holds the GIL while it encodes or decodes (``duplexserve bench codec-costs``
 measures it), so a thread pool cannot run it beside the event loop. These classes run
 where they are called: inline on the loop when no codec process is configured, or
 inside a codec worker process (``procpool.py``) when one is.

@@ -3,7 +3,7 @@
 A decoder turns received bytes into model samples, an encoder turns one model frame
 into the bytes of one output message. Every codec is a wire conversion (pass-through,
 int16, G.711 or Ogg/Opus) composed with a streaming resampler when the wire rate is not
-24 kHz. Where each runs was measured (docs/codecs.md, ``python -m duplexserve.codecs.bench``):
+24 kHz. Where each runs was measured (docs/codecs.md, ``duplexserve bench codec-costs``):
 
 - ``inline`` True: run where called, on the event-loop thread. Pass-through, int16 and
   G.711 (a few microseconds a frame), resampling up to 96 kHz (9-35 us, less than the

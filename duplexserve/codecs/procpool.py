@@ -39,7 +39,7 @@ REPLY = struct.Struct("<BI")
 OP_OPEN_DECODER, OP_OPEN_ENCODER, OP_DECODE, OP_ENCODE, OP_CLOSE = range(5)
 OK, FORMAT_ERROR, FAILED = range(3)
 #: What a codec costs its worker per frame, in units of an Opus decode: encoding is 4 to
-#: 13 times dearer (python -m duplexserve.codecs.bench: decode 75-120 us; encode 330 us on
+#: 13 times dearer (duplexserve bench codec-costs: decode 75-120 us; encode 330 us on
 #: steady tones, 1300 us on speech or silence). A new codec goes to the worker with the
 #: least open cost; counting codecs instead would put every session's decoder on one
 #: worker and every encoder on the other.

@@ -8,7 +8,7 @@ out in any length (the session buffers it), but every output message must be one
 80 ms frame, so the output side starts the stream with the measured worst shortfall in
 silence and then always has a full frame to hand out (docs/codecs.md has the latencies).
 
-soxr releases the GIL while it works (measured by ``python -m duplexserve.codecs.bench``),
+soxr releases the GIL while it works (measured by ``duplexserve bench codec-costs``),
 so a thread pool can run it beside the event loop; whether that pays is ``runs_inline``.
 """
 

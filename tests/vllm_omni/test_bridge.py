@@ -22,7 +22,7 @@ from duplexserve import errors  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni.events import InputFramer  # noqa: E402
 from duplexserve.engine_bridge.vllm_omni.setup import session_payload, standin_builder  # noqa: E402
-from duplexserve.engine_bridge.vllm_omni_standin import MODEL_NAME  # noqa: E402
+from duplexserve.testing import STANDIN_MODEL  # noqa: E402
 
 FRAME = 1920
 
@@ -71,8 +71,8 @@ async def bridge(
     b = VllmOmniBridge(
         standin_builder(max_sessions, text_every=5, step_ms=0.0),
         out,
-        session_payload=session_payload(MODEL_NAME, input_rate, {}),
-        model=MODEL_NAME,
+        session_payload=session_payload(STANDIN_MODEL, input_rate, {}),
+        model=STANDIN_MODEL,
         input_rate=input_rate,
     )
     await b.start()

@@ -10,9 +10,7 @@ from typing import Any
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniEngine
 from duplexserve.engine_bridge.vllm_omni.events import MODEL_RATE
-
-#: The model name the stand-in engine reports (``--vllm-omni-standin``).
-STANDIN_MODEL = "duplexserve/standin-echo"
+from duplexserve.testing import STANDIN_MODEL
 
 
 def session_payload(model: str, input_rate: int, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -46,13 +44,16 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
 
 
 def standin_builder(max_sessions: int, text_every: int, step_ms: float, **options: Any) -> Callable[[], Any]:
-    """The stand-in engine; ``options`` (from --vllm-omni-args) override its settings."""
+    """The stand-in engine; ``options`` (from --vllm-omni-args) override its settings.
+
+    The test double's module (and vLLM-Omni with it) is imported only when the engine is built.
+    """
     settings = {"max_sessions": max_sessions, "text_every": text_every, "step_ms": step_ms, **options}
 
     def build() -> tuple[Any, Callable[[], None]]:
         from vllm_omni.entrypoints.duplex.audio_encoding import encode_audio
 
-        from duplexserve.engine_bridge.vllm_omni_standin import StandInDuplexOmniEngine
+        from duplexserve.testing.vllm_omni_standin import StandInDuplexOmniEngine
 
         engine = StandInDuplexOmniEngine(duplex_audio_encoder=encode_audio, **settings)
         return engine, engine.shutdown

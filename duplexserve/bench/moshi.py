@@ -9,7 +9,9 @@
            process), open N sessions that each stream S seconds of audio in 160 ms
            messages on an absolute wall-clock schedule, and report per-session RTF,
            frame round trip, frame lateness, server CPU per frame and the step times.
-    serve  start the server (what ``rtf`` runs; avoids the CLI's other subcommands).
+
+``duplexserve bench moshi-steps`` and ``duplexserve bench moshi-rtf``
+(scripts/bench-moshi-h200.sh runs them on the H200).
 
 This compact paced client stands in for ``duplexserve loadgen`` (built beside it) so
 that the H200 run depends on nothing but the server; its metrics follow BENCHMARKS.md.
@@ -226,7 +228,7 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
 def cmd_rtf(args: argparse.Namespace) -> None:
     port = args.port
     server_cmd = [
-        sys.executable, __file__, "serve", "--port", str(port), "--engine", "moshi",
+        sys.executable, "-m", "duplexserve", "serve", "--port", str(port), "--engine", "moshi",
         "--moshi-preset", args.preset, "--max-sessions", str(args.sessions), "--log-level", "info",
         "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
         *(["--moshi-context", str(args.context)] if args.context else []),
@@ -324,37 +326,16 @@ def cmd_rtf(args: argparse.Namespace) -> None:
     print(json.dumps(summary), flush=True)
 
 
-def cmd_serve(argv: list[str]) -> None:
-    from duplexserve.config import ServerConfig
-    from duplexserve.server.run import serve
-
-    parser = argparse.ArgumentParser(prog="bench_moshi.py serve")
-    ServerConfig.add_arguments(parser)
-    config = ServerConfig.from_namespace(parser.parse_args(argv))
-    config.validate()
-    import logging
-
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=config.log_level.upper(), format=fmt)
-    serve(config)
-
-
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        cmd_serve(sys.argv[2:])
-        return
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("steps")
+def add_steps_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--preset", default="hibiki-2b")
     s.add_argument("--batches", default="1,32,64,96,128,192")
     s.add_argument("--steps", type=int, default=50)
     s.add_argument("--device", default="auto")
     s.add_argument("--context", type=int, default=0)
     s.add_argument("--out", default="")
-    r = sub.add_parser("rtf")
+
+
+def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--preset", default="hibiki-2b")
     r.add_argument("--sessions", type=int, default=64)
     r.add_argument("--seconds", type=float, default=60.0)
@@ -366,9 +347,3 @@ def main() -> None:
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")
     r.add_argument("--out", default="")
-    args = parser.parse_args()
-    {"steps": cmd_steps, "rtf": cmd_rtf}[args.command](args)
-
-
-if __name__ == "__main__":
-    main()

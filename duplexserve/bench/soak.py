@@ -7,7 +7,7 @@ start and the end (from /metrics), the sessions still holding a slot after every
 left (leaked), and the frames lost: frames of completed sessions that did not come
 back, or came back altered (the echo engine must return the sent bytes).
 
-    python -m duplexserve.loadgen.soak --url ws://127.0.0.1:8998/v1/duplex --duration 600
+    duplexserve bench soak --url ws://127.0.0.1:8998/v1/duplex --duration 600
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import random
-import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -136,14 +135,15 @@ async def soak(url: str, duration_s: float, concurrency: int, seed: int = 0) -> 
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duplexserve soak", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="ws://127.0.0.1:8998/v1/duplex")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the report here too")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     report = asyncio.run(soak(args.url, args.duration, args.concurrency, args.seed))
     data = {**asdict(report), "ok": report.ok}
     print(json.dumps(data, indent=2))
@@ -151,7 +151,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
     return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``duplexserve bench``: the benchmark suite of docs/benchmarks.md.
+"""``duplexserve bench [burst|ws|rtf|capacity ...]``: the suite of docs/benchmarks.md.
 
 Each benchmark starts the servers it compares (pinned to core 0), runs the load
 generator from the other cores, interleaves the variants it compares inside one run
@@ -15,7 +15,8 @@ table with the ratios and the targets, and writes JSON and PNG plots into ``--ou
 - ``capacity``: paced sessions in steps; the largest count whose guards hold with zero
   underruns and a p99 within 1.2x of the bare echo's at the same count.
 
-``--short`` runs CI-sized versions of each (seconds, not minutes).
+``--short`` runs CI-sized versions of each (seconds, not minutes). Bare
+``duplexserve bench`` runs all four; a name picks one, and more names may follow it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 H200_2B_BASE_MS = 21.0
 H200_2B_PER_SESSION_MS = 0.184
 
-BENCHMARKS = ("burst", "ws", "rtf", "capacity")
+NAMES = ("burst", "ws", "rtf", "capacity")
 
 
 @dataclass
@@ -50,33 +51,95 @@ class Scale:
     capacity_steady_s: float = 20.0  # with every session streaming, after the connection ramp
 
 
-SHORT = Scale(burst_levels=(16,), burst_frames=64, reps=2, rtf_levels=(8,), rtf_frames=40,
-              capacity_levels=(10, 20), capacity_steady_s=1.5)
+SHORT = Scale(
+    burst_levels=(16,),
+    burst_frames=64,
+    reps=2,
+    rtf_levels=(8,),
+    rtf_frames=40,
+    capacity_levels=(10, 20),
+    capacity_steady_s=1.5,
+)
+
+
+#: The suite's options, declared without defaults (:func:`add_options`) and filled in by :func:`run`.
+DEFAULTS: dict[str, Any] = {
+    "short": False,
+    "out": "bench-out",
+    "reps": None,
+    "capacity": None,
+    "capacity_steady_s": None,
+    "message_ms": 160,
+    "processes": 1,
+    "no_pin": False,
+    "server_cpu": 0,
+    "nice": 0,
+    "no_progress": False,
+}
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The suite's options, on ``duplexserve bench`` and on each suite subcommand.
+
+    They are declared with no default, so an option given before the benchmark's name
+    is not reset by the subcommand's parser; :func:`run` fills in :data:`DEFAULTS`.
+    """
+    none = argparse.SUPPRESS
+    p.add_argument("--short", action="store_true", default=none, help="CI-sized: seconds instead of minutes")
+    p.add_argument("--out", default=none, help="folder for JSON and plots (default bench-out)")
+    p.add_argument("--reps", type=int, default=none, help="interleaved repetitions for burst and ws")
+    p.add_argument("--capacity", default=none, help="comma list of session counts for the capacity sweep")
+    p.add_argument(
+        "--capacity-steady-s", type=float, default=none, help="seconds with every session streaming"
+    )
+    p.add_argument(
+        "--message-ms", type=int, default=none, help="message size of the paced benchmarks (default 160)"
+    )
+    p.add_argument("--processes", type=int, default=none, help="client processes (default 1)")
+    p.add_argument(
+        "--no-pin", action="store_true", default=none, help="do not pin server and client to cores"
+    )
+    p.add_argument(
+        "--server-cpu",
+        type=int,
+        default=none,
+        help="the core the servers run on (the client gets the others; default 0)",
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=none,
+        help="scheduling priority of client and servers (e.g. -10 on a busy shared machine; root)",
+    )
+    p.add_argument("--no-progress", action="store_true", default=none)
+
+
+def _name(value: str) -> str:
+    """A suite name; checked here, since ``choices`` rejects an empty ``nargs="*"`` on Python 3.11."""
+    if value not in (*NAMES, "all"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(NAMES)}, all)")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("benchmarks", nargs="*", default=["all"], choices=(*BENCHMARKS, "all"),
-                   help="which benchmarks (default all)")
-    p.add_argument("--short", action="store_true", help="CI-sized: seconds instead of minutes")
-    p.add_argument("--out", default="bench-out", help="folder for JSON and plots")
-    p.add_argument("--reps", type=int, help="interleaved repetitions for burst and ws")
-    p.add_argument("--capacity", help="comma list of session counts for the capacity sweep")
-    p.add_argument("--capacity-steady-s", type=float, help="seconds with every session streaming")
-    p.add_argument("--message-ms", type=int, default=160, help="message size of the paced benchmarks")
-    p.add_argument("--processes", type=int, default=1, help="client processes")
-    p.add_argument("--no-pin", action="store_true", help="do not pin server and client to cores")
-    p.add_argument("--server-cpu", type=int, default=0,
-                   help="the core the servers run on (the client gets the others)")
-    p.add_argument("--nice", type=int, default=0,
-                   help="scheduling priority of client and servers (e.g. -10 on a busy shared machine; root)")
-    p.add_argument("--no-progress", action="store_true")
+    """A suite subcommand: its options, and more of the suite's names to run after it."""
+    p.add_argument(
+        "more",
+        nargs="*",
+        type=_name,
+        metavar="BENCHMARK",
+        help=f"more of the suite to run after this one ({', '.join(NAMES)}, all)",
+    )
+    add_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from duplexserve.loadgen.servers import pin_client, raise_priority
+    from duplexserve.bench.servers import pin_client, raise_priority
 
+    for name, value in DEFAULTS.items():
+        vars(args).setdefault(name, value)
     console = Console(width=None if Console().is_terminal else 140)
     scale = SHORT if args.short else Scale()
     if args.reps:
@@ -85,13 +148,22 @@ def run(args: argparse.Namespace) -> int:
         scale = replace(scale, capacity_levels=tuple(int(c) for c in args.capacity.split(",")))
     if args.capacity_steady_s:
         scale = replace(scale, capacity_steady_s=args.capacity_steady_s)
-    chosen = BENCHMARKS if "all" in args.benchmarks else tuple(dict.fromkeys(args.benchmarks))
+    named = [args.benchmark or "all", *getattr(args, "more", [])]
+    chosen = NAMES if "all" in named else tuple(dict.fromkeys(named))
     pinning = "not pinned" if args.no_pin else pin_client(args.server_cpu)
     pinning += ", " + raise_priority(args.nice)
     short = " (short)" if args.short else ""
     console.print(f"[bold]duplexserve bench[/] {' '.join(chosen)}{short}: {pinning}")
-    bench = Bench(console, scale, Path(args.out), not args.no_pin, not args.no_progress,
-                  args.processes, args.message_ms, args.nice)
+    bench = Bench(
+        console,
+        scale,
+        Path(args.out),
+        not args.no_pin,
+        not args.no_progress,
+        args.processes,
+        args.message_ms,
+        args.nice,
+    )
     ok = True
     for name in chosen:
         started = time.monotonic()
@@ -117,8 +189,17 @@ def _ratio(a: float, b: float) -> float:
 
 
 class Bench:
-    def __init__(self, console: Any, scale: Scale, out: Path, pin: bool, progress: bool,
-                 processes: int, message_ms: int, nice: int = 0) -> None:
+    def __init__(
+        self,
+        console: Any,
+        scale: Scale,
+        out: Path,
+        pin: bool,
+        progress: bool,
+        processes: int,
+        message_ms: int,
+        nice: int = 0,
+    ) -> None:
         self.console = console
         self.scale = scale
         self.out = out
@@ -137,8 +218,9 @@ class Bench:
         with LiveView(self.console, self.progress) as view:
             return run_load(spec, view.update)
 
-    def _interleaved(self, servers: dict[str, Any], levels: tuple[int, ...],
-                     make: Callable[[int], dict[str, Any]]) -> dict[str, dict[int, list[Any]]]:
+    def _interleaved(
+        self, servers: dict[str, Any], levels: tuple[int, ...], make: Callable[[int], dict[str, Any]]
+    ) -> dict[str, dict[int, list[Any]]]:
         """Every variant at every level, ``reps`` times, variants alternating within each rep."""
         runs: dict[str, dict[int, list[Any]]] = {name: {c: [] for c in levels} for name in servers}
         for rep in range(self.scale.reps):
@@ -164,8 +246,9 @@ class Bench:
 
     def _warm(self, *servers: Any) -> None:
         for server in servers:
-            self._load(server.url, "warm-up", concurrency=8, sessions=8, frames=64, paced=False,
-                       scrape_metrics=False)
+            self._load(
+                server.url, "warm-up", concurrency=8, sessions=8, frames=64, paced=False, scrape_metrics=False
+            )
 
     def _write(self, name: str, payload: dict[str, Any], runs: list[Any]) -> None:
         from duplexserve.loadgen.report import write_json
@@ -175,15 +258,26 @@ class Bench:
         self.console.print(f"wrote {path}")
 
     def _burst_spec(self, c: int) -> dict[str, Any]:
-        return {"concurrency": c, "sessions": c, "frames": self.scale.burst_frames, "message_ms": 80,
-                "paced": False}
+        return {
+            "concurrency": c,
+            "sessions": c,
+            "frames": self.scale.burst_frames,
+            "message_ms": 80,
+            "paced": False,
+        }
 
     @staticmethod
     def _costs(runs: list[Any]) -> dict[str, float]:
         """Medians over repetitions of one variant at one level."""
+
         def med(key: str, server: bool = True) -> float:
-            return _median([(r.summary().get("server") or {}).get(key, math.nan) if server
-                            else r.summary()[key] for r in runs])
+            return _median(
+                [
+                    (r.summary().get("server") or {}).get(key, math.nan) if server else r.summary()[key]
+                    for r in runs
+                ]
+            )
+
         return {
             "cpu_us_per_frame": med("cpu_us_per_frame"),
             "vcsw_per_frame": med("voluntary_switches_per_frame"),
@@ -205,8 +299,8 @@ class Bench:
         """Benchmarks 1 and 4: host burst, echo floor vs duplexserve vs the per-frame offload path."""
         from rich.table import Table
 
+        from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
-        from duplexserve.loadgen.servers import Server, running
 
         self.console.rule("host burst, side by side")
         common = ["--text-every", "0", "--max-sessions", "256"]
@@ -220,25 +314,43 @@ class Bench:
             self._warm(*servers.values())
             runs = self._interleaved(servers, levels, self._burst_spec)
         table = Table(title=f"host burst: median of {self.scale.reps} interleaved runs, engine cost zero")
-        for col in ("variant", "sessions x frames", "server us/frame", "vcsw/frame", "exec/frame",
-                    "makespan s", "wall us/frame", "guards"):
+        for col in (
+            "variant",
+            "sessions x frames",
+            "server us/frame",
+            "vcsw/frame",
+            "exec/frame",
+            "makespan s",
+            "wall us/frame",
+            "guards",
+        ):
             table.add_column(col, justify="left" if col == "variant" else "right")
         summary: dict[str, Any] = {}
         ok = True
         for c in levels:
             costs = {name: self._costs(runs[name][c]) for name in servers}
             for name, k in costs.items():
-                table.add_row(name, f"{c} x {self.scale.burst_frames}", f"{k['cpu_us_per_frame']:.1f}",
-                              f"{k['vcsw_per_frame']:.3f}", f"{k['exec_per_frame']:.3f}",
-                              f"{k['makespan_s']:.2f}", f"{k['wall_us_per_frame']:.1f}",
-                              "ok" if k["guards_ok"] else "FAIL")
+                table.add_row(
+                    name,
+                    f"{c} x {self.scale.burst_frames}",
+                    f"{k['cpu_us_per_frame']:.1f}",
+                    f"{k['vcsw_per_frame']:.3f}",
+                    f"{k['exec_per_frame']:.3f}",
+                    f"{k['makespan_s']:.2f}",
+                    f"{k['wall_us_per_frame']:.1f}",
+                    "ok" if k["guards_ok"] else "FAIL",
+                )
             ds, echo, off = costs["duplexserve"], costs["echo floor"], costs["offload path"]
             cpu = "cpu_us_per_frame"
             checks = (  # (target, measured, met)
                 ("server CPU per frame / echo floor's (<= 1.1)", _ratio(ds[cpu], echo[cpu]), 1.1, -1),
                 ("offload path CPU per frame / duplexserve's (>= 2)", _ratio(off[cpu], ds[cpu]), 2.0, 1),
-                ("offload path makespan / duplexserve's (>= 2)",
-                 _ratio(off["makespan_s"], ds["makespan_s"]), 2.0, 1),
+                (
+                    "offload path makespan / duplexserve's (>= 2)",
+                    _ratio(off["makespan_s"], ds["makespan_s"]),
+                    2.0,
+                    1,
+                ),
                 ("voluntary context switches per frame (< 0.05)", ds["vcsw_per_frame"], 0.05, -2),
                 ("executor submissions per frame (= 0)", ds["exec_per_frame"], 0.0, 0),
             )
@@ -250,11 +362,17 @@ class Bench:
         self._print_targets(summary)
         img = self.out / "img"
         first = levels[-1]
-        plots.bars({n: self._costs(runs[n][first])["cpu_us_per_frame"] for n in servers},
-                   img / "burst_cpu_per_frame.png", "server CPU per frame (us)",
-                   f"host burst {first} x {self.scale.burst_frames}: server CPU per frame")
-        plots.latency_cdf([runs[n][first][0] for n in servers], img / "burst_latency_cdf.png",
-                          f"host burst {first} sessions: frame round trip")
+        plots.bars(
+            {n: self._costs(runs[n][first])["cpu_us_per_frame"] for n in servers},
+            img / "burst_cpu_per_frame.png",
+            "server CPU per frame (us)",
+            f"host burst {first} x {self.scale.burst_frames}: server CPU per frame",
+        )
+        plots.latency_cdf(
+            [runs[n][first][0] for n in servers],
+            img / "burst_latency_cdf.png",
+            f"host burst {first} sessions: frame round trip",
+        )
         self._write("burst", {"summary": summary}, [r for n in servers for c in levels for r in runs[n][c]])
         return ok
 
@@ -262,7 +380,7 @@ class Bench:
         """uvicorn's two WebSocket implementations, by burst CPU per frame."""
         from rich.table import Table
 
-        from duplexserve.loadgen.servers import Server, running
+        from duplexserve.bench.servers import Server, running
 
         self.console.rule("uvicorn WebSocket implementation")
         common = ["--text-every", "0", "--max-sessions", "256"]
@@ -280,66 +398,103 @@ class Bench:
             table.add_column(col, justify="left" if col == "server" else "right")
         costs = {name: self._costs(runs[name][level[0]]) for name in servers}
         for name, k in costs.items():
-            table.add_row(name, f"{k['cpu_us_per_frame']:.1f}", f"{k['vcsw_per_frame']:.3f}",
-                          f"{k['makespan_s']:.2f}", "ok" if k["guards_ok"] else "FAIL")
+            table.add_row(
+                name,
+                f"{k['cpu_us_per_frame']:.1f}",
+                f"{k['vcsw_per_frame']:.3f}",
+                f"{k['makespan_s']:.2f}",
+                "ok" if k["guards_ok"] else "FAIL",
+            )
         self.console.print(table)
         sansio = costs["duplexserve websockets-sansio"]["cpu_us_per_frame"]
         legacy = costs["duplexserve websockets"]["cpu_us_per_frame"]
         winner = "websockets-sansio" if sansio <= legacy else "websockets"
-        self.console.print(f"winner: [bold]{winner}[/] (duplexserve CPU per frame: sansio {sansio:.1f} us, "
-                           f"websockets {legacy:.1f} us, ratio {_ratio(legacy, sansio):.2f})")
-        self._write("ws", {"costs": costs, "winner": winner},
-                    [r for n in servers for r in runs[n][level[0]]])
+        self.console.print(
+            f"winner: [bold]{winner}[/] (duplexserve CPU per frame: sansio {sansio:.1f} us, "
+            f"websockets {legacy:.1f} us, ratio {_ratio(legacy, sansio):.2f})"
+        )
+        self._write("ws", {"costs": costs, "winner": winner}, [r for n in servers for r in runs[n][level[0]]])
         return all(k["guards_ok"] for k in costs.values())
 
     def rtf(self) -> bool:
         """Benchmark 2: paced sessions against an engine that steps like an H200 2B-class model."""
         from rich.table import Table
 
+        from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
-        from duplexserve.loadgen.servers import Server, running
 
         self.console.rule("RTF run, H200 2B-class step model")
-        server = Server("duplexserve", "duplexserve", [
-            "--max-sessions", "256", "--step-base-ms", str(H200_2B_BASE_MS),
-            "--step-per-session-ms", str(H200_2B_PER_SESSION_MS),
-        ])
+        server = Server(
+            "duplexserve",
+            "duplexserve",
+            [
+                "--max-sessions",
+                "256",
+                "--step-base-ms",
+                str(H200_2B_BASE_MS),
+                "--step-per-session-ms",
+                str(H200_2B_PER_SESSION_MS),
+            ],
+        )
         results = []
         with running(server, pin=self.pin, nice=self.nice):
             for c in self.scale.rtf_levels:
-                r = self._load(server.url, f"rtf c={c}", concurrency=c, sessions=2 * c, warmup=c,
-                               frames=self.scale.rtf_frames, message_ms=self.message_ms, paced=True,
-                               timeout_s=120.0)
+                r = self._load(
+                    server.url,
+                    f"rtf c={c}",
+                    concurrency=c,
+                    sessions=2 * c,
+                    warmup=c,
+                    frames=self.scale.rtf_frames,
+                    message_ms=self.message_ms,
+                    paced=True,
+                    timeout_s=120.0,
+                )
                 results.append(r)
                 self._say_run(r)
-        table = Table(title=f"RTF run: {self.scale.rtf_frames * 0.08:.2f} s of audio per session in "
-                            f"{self.message_ms} ms messages, 2 x c sessions after a warm-up batch")
-        for col in ("concurrency", "wall min/median/max s", "RTF min/median/max", "rt p50/p99/max ms",
-                    "underruns", "guards"):
+        table = Table(
+            title=f"RTF run: {self.scale.rtf_frames * 0.08:.2f} s of audio per session in "
+            f"{self.message_ms} ms messages, 2 x c sessions after a warm-up batch"
+        )
+        for col in (
+            "concurrency",
+            "wall min/median/max s",
+            "RTF min/median/max",
+            "rt p50/p99/max ms",
+            "underruns",
+            "guards",
+        ):
             table.add_column(col, justify="right")
         summary = {}
         for c, r in zip(self.scale.rtf_levels, results, strict=True):
             s = r.summary()
             summary[str(c)] = s
-            table.add_row(str(c), f"{s['wall_min_s']:.2f}/{s['wall_median_s']:.2f}/{s['wall_max_s']:.2f}",
-                          f"{s['rtf_min']:.3f}/{s['rtf_median']:.3f}/{s['rtf_max']:.3f}",
-                          f"{s['rt_p50_ms']:.1f}/{s['rt_p99_ms']:.1f}/{s['rt_max_ms']:.1f}",
-                          str(s["underruns"]), "ok" if s["guards_ok"] else "FAIL")
+            table.add_row(
+                str(c),
+                f"{s['wall_min_s']:.2f}/{s['wall_median_s']:.2f}/{s['wall_max_s']:.2f}",
+                f"{s['rtf_min']:.3f}/{s['rtf_median']:.3f}/{s['rtf_max']:.3f}",
+                f"{s['rt_p50_ms']:.1f}/{s['rt_p99_ms']:.1f}/{s['rt_max_ms']:.1f}",
+                str(s["underruns"]),
+                "ok" if s["guards_ok"] else "FAIL",
+            )
         self.console.print(table)
         img = self.out / "img"
         plots.rtf_per_session(results, img / "rtf_per_session.png", "RTF run: RTF per session")
         plots.latency_cdf(results, img / "rtf_latency_cdf.png", "RTF run: frame round trip")
-        self._write("rtf", {"step_model": {"base_ms": H200_2B_BASE_MS,
-                                           "per_session_ms": H200_2B_PER_SESSION_MS}}, results)
+        self._write(
+            "rtf",
+            {"step_model": {"base_ms": H200_2B_BASE_MS, "per_session_ms": H200_2B_PER_SESSION_MS}},
+            results,
+        )
         return all(r.guards_ok for r in results)
 
     def capacity(self) -> bool:
         """Benchmark 3: paced capacity on one server core, judged against the bare echo at each count."""
         from rich.table import Table
 
+        from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
         from duplexserve.loadgen.runner import LoadSpec
-        from duplexserve.loadgen.servers import Server, running
 
         self.console.rule("paced capacity sweep")
         top = max(self.scale.capacity_levels)
@@ -356,8 +511,16 @@ class Bench:
                 frames = math.ceil((ramp + steady_s + 0.5) / 0.08)
                 order = list(servers) if i % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    r = self._load(servers[name].url, f"{name} {c} paced", concurrency=c, sessions=c,
-                                   frames=frames, message_ms=self.message_ms, paced=True, timeout_s=120.0)
+                    r = self._load(
+                        servers[name].url,
+                        f"{name} {c} paced",
+                        concurrency=c,
+                        sessions=c,
+                        frames=frames,
+                        message_ms=self.message_ms,
+                        paced=True,
+                        timeout_s=120.0,
+                    )
                     runs[name][c] = r
                     self._say_run(r)
                     st = r.steady()
@@ -365,11 +528,22 @@ class Bench:
                     self.console.print(
                         f"    steady {st['window_s']:.1f} s: rt p50/p99 {st.get('rt_p50_ms', 0):.1f}/"
                         f"{st.get('rt_p99_ms', 0):.1f} ms, underruns {st.get('underruns', 0)}, "
-                        f"client send lag p99 {lag:.1f} ms")
-        table = Table(title=f"paced capacity: {self.message_ms} ms messages; latency over the steady window "
-                            f"(~{steady_s:.0f} s with every session streaming)")
-        for col in ("sessions", "echo p50/p99 ms", "duplexserve p50/p99 ms", "p99 ratio", "underruns echo/ds",
-                    "server us/frame echo/ds", "client lag p99 ms", "held"):
+                        f"client send lag p99 {lag:.1f} ms"
+                    )
+        table = Table(
+            title=f"paced capacity: {self.message_ms} ms messages; latency over the steady window "
+            f"(~{steady_s:.0f} s with every session streaming)"
+        )
+        for col in (
+            "sessions",
+            "echo p50/p99 ms",
+            "duplexserve p50/p99 ms",
+            "p99 ratio",
+            "underruns echo/ds",
+            "server us/frame echo/ds",
+            "client lag p99 ms",
+            "held",
+        ):
             table.add_column(col, justify="right")
         held = 0
         rows = {}
@@ -384,13 +558,24 @@ class Bench:
             e_cpu = (er.summary().get("server") or {}).get("cpu_us_per_frame", math.nan)
             d_cpu = (dr.summary().get("server") or {}).get("cpu_us_per_frame", math.nan)
             rows[str(c)] = {
-                "echo": e, "duplexserve": d, "p99_ratio": ratio, "held": ok, "guards_ok": dr.guards_ok,
-                "server_us_per_frame": {"echo": e_cpu, "duplexserve": d_cpu}, "client_send_lag_p99_ms": lag,
+                "echo": e,
+                "duplexserve": d,
+                "p99_ratio": ratio,
+                "held": ok,
+                "guards_ok": dr.guards_ok,
+                "server_us_per_frame": {"echo": e_cpu, "duplexserve": d_cpu},
+                "client_send_lag_p99_ms": lag,
             }
-            table.add_row(str(c), f"{e['rt_p50_ms']:.1f}/{e['rt_p99_ms']:.1f}",
-                          f"{d['rt_p50_ms']:.1f}/{d['rt_p99_ms']:.1f}", f"{ratio:.2f}",
-                          f"{e['underruns']}/{d['underruns']}", f"{e_cpu:.1f}/{d_cpu:.1f}", f"{lag:.1f}",
-                          "yes" if ok else "no")
+            table.add_row(
+                str(c),
+                f"{e['rt_p50_ms']:.1f}/{e['rt_p99_ms']:.1f}",
+                f"{d['rt_p50_ms']:.1f}/{d['rt_p99_ms']:.1f}",
+                f"{ratio:.2f}",
+                f"{e['underruns']}/{d['underruns']}",
+                f"{e_cpu:.1f}/{d_cpu:.1f}",
+                f"{lag:.1f}",
+                "yes" if ok else "no",
+            )
         self.console.print(table)
         self.console.print(f"largest count held: [bold]{held}[/] (guards, zero underruns, p99 <= 1.2x echo)")
         series = {
@@ -398,6 +583,7 @@ class Bench:
             for name in servers
         }
         plots.sweep(series, self.out / "img" / "capacity_sweep.png", "paced capacity: RTF and steady p99")
-        self._write("capacity", {"held": held, "levels": rows},
-                    [r for n in servers for r in runs[n].values()])
+        self._write(
+            "capacity", {"held": held, "levels": rows}, [r for n in servers for r in runs[n].values()]
+        )
         return True

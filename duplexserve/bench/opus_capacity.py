@@ -1,6 +1,6 @@
 """How many real-time Ogg/Opus sessions a server holds, with a client that costs little.
 
-``python -m duplexserve.codecs.capacity --sessions 100,150,200 --seconds 30 [--serve]``
+``duplexserve bench opus-capacity --sessions 100,150,200 --seconds 30 [--serve]``
 
 The load generator (``duplexserve loadgen``) encodes every session's input itself and
 replays the server's codecs to check each answer byte for byte; for Opus that costs the
@@ -26,16 +26,14 @@ import json
 import os
 import random
 import resource
-import subprocess
-import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from duplexserve.bench.servers import Server
+from duplexserve.bench.signals import model_signal, speechlike
 from duplexserve.codecs import FRAME_SAMPLES, AudioFormat, make_decoder, make_encoder
-from duplexserve.codecs.bench import model_signal, speechlike
 from duplexserve.loadgen import metrics as lm
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.scrape import scrape
@@ -110,8 +108,9 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def run_level(url: str, sessions: int, messages: list[bytes], ramp_s: float,
-                    timeout_s: float) -> dict[str, object]:
+async def run_level(
+    url: str, sessions: int, messages: list[bytes], ramp_s: float, timeout_s: float
+) -> dict[str, object]:
     loop = asyncio.get_running_loop()
     query = "?input_format=opus&output_format=opus"
     clients = [OpusSession(messages, keep_audio=(i == 0)) for i in range(sessions)]
@@ -124,8 +123,9 @@ async def run_level(url: str, sessions: int, messages: list[bytes], ramp_s: floa
     start = monotonic() + 0.2
     for s in clients:  # spread the starts so the sessions' frames interleave
         pacer.add(start + ramp_s * random.random(), s.send_next)
-    await asyncio.wait_for(asyncio.gather(*(s.done for s in clients)),
-                           timeout_s + len(messages) * lm.FRAME_S + ramp_s)
+    await asyncio.wait_for(
+        asyncio.gather(*(s.done for s in clients)), timeout_s + len(messages) * lm.FRAME_S + ramp_s
+    )
     after, client_cpu = scrape(url), _cpu() - cpu0
     for s in clients:
         if s.client is not None:
@@ -158,7 +158,8 @@ async def run_level(url: str, sessions: int, messages: list[bytes], ramp_s: floa
         main_cpu = d["duplexserve_cpu_seconds_total"]
         result["server_loop_process_cpu_us_per_frame"] = round(1e6 * main_cpu / out, 1)
         result["server_codec_processes_cpu_us_per_frame"] = round(
-            1e6 * d.get("duplexserve_codec_processes_cpu_seconds_total", 0.0) / out, 1)
+            1e6 * d.get("duplexserve_codec_processes_cpu_seconds_total", 0.0) / out, 1
+        )
         result["executor_submissions_per_frame"] = round(d["duplexserve_executor_submissions_total"] / out, 2)
     result["held"] = bool(result["guards_ok"] and underruns == 0)
     return result
@@ -180,7 +181,7 @@ def _echo_correlation(session: OpusSession) -> float:
     corr = np.fft.irfft(np.fft.rfft(b, n) * np.conj(np.fft.rfft(a, n)), n)
     lag = int(np.argmax(corr[:4000]))
     m = min(len(a), len(b) - lag)
-    return float(np.corrcoef(a[:m], b[lag: lag + m])[0, 1])
+    return float(np.corrcoef(a[:m], b[lag : lag + m])[0, 1])
 
 
 def opus_stream(seconds: float, signal: str = "speech") -> list[bytes]:
@@ -195,46 +196,30 @@ def opus_stream(seconds: float, signal: str = "speech") -> list[bytes]:
     return [enc.encode(f) for f in x.reshape(-1, FRAME_SAMPLES)]
 
 
-def _start_server(port: int, flags: list[str]) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplexserve", "serve", "--port", str(port), "--log-level", "warning",
-         "--max-sessions", "1024", "--idle-timeout-s", "120", *flags])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-            return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m duplexserve.codecs.capacity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="ws://127.0.0.1:8998/v1/duplex")
     p.add_argument("--serve", action="store_true", help="start a server on a free port for the run")
     p.add_argument("--server-flags", default="", help="extra flags for the started server")
     p.add_argument("--sessions", default="50,100,150,200,250", help="levels, comma-separated")
     p.add_argument("--seconds", type=float, default=30.0, help="audio per session")
     p.add_argument("--ramp-s", type=float, default=1.0, help="spread of the session starts")
-    p.add_argument("--signal", choices=("speech", "tones"), default="speech",
-                   help="what the sessions say: espeak-ng speech, or steady tones (Opus's cheap path)")
+    p.add_argument(
+        "--signal",
+        choices=("speech", "tones"),
+        default="speech",
+        help="what the sessions say: espeak-ng speech, or steady tones (Opus's cheap path)",
+    )
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
 
-    proc = None
+
+def run(args: argparse.Namespace) -> int:
+    server = None
     url = args.url
     if args.serve:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = _start_server(port, args.server_flags.split())
-        url = f"ws://127.0.0.1:{port}/v1/duplex"
+        flags = ["--max-sessions", "1024", "--idle-timeout-s", "120", *args.server_flags.split()]
+        server = Server("duplexserve", "duplexserve", flags).start(pin=False)
+        url = server.url
     messages = opus_stream(args.seconds, args.signal)
     print(f"signal: {model_signal(0.08)[1] if args.signal == 'speech' else 'tone mix'}")
     results = []
@@ -246,18 +231,23 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(json.dumps(r), flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(15)
+        if server is not None:
+            server.stop()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"url": url, "seconds": args.seconds, "server_flags": args.server_flags,
-                       "signal": args.signal, "ramp_s": args.ramp_s, "cpu_count": os.cpu_count(),
-                       "levels": results}, f, indent=2)
+            json.dump(
+                {
+                    "url": url,
+                    "seconds": args.seconds,
+                    "server_flags": args.server_flags,
+                    "signal": args.signal,
+                    "ramp_s": args.ramp_s,
+                    "cpu_count": os.cpu_count(),
+                    "levels": results,
+                },
+                f,
+                indent=2,
+            )
     held = [r["sessions"] for r in results if r["held"]]
     print(f"held: {held or 'none'}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """What each codec path costs per 80 ms frame, and where it should run.
 
-``python -m duplexserve.codecs.bench [--json out.json]`` measures, in one process:
+``duplexserve bench codec-costs [--json out.json]`` measures, in one process:
 
 1. ``paths``: CPU time of one thread per frame to decode and to encode each wire format,
    80 ms messages of speech made with espeak-ng (the inline cost on the event loop).
@@ -26,19 +26,15 @@ import hashlib
 import json
 import os
 import resource
-import shutil
 import statistics
-import subprocess
-import tempfile
 import threading
 import time
-import wave
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import soxr
 
+from duplexserve.bench.signals import espeak_speech, model_signal, speechlike
 from duplexserve.codecs import FRAME_SAMPLES, MODEL_RATE, AudioFormat, make_decoder, make_encoder
 from duplexserve.codecs.libopus import LIBOPUS, LibopusStreamEncoder
 from duplexserve.codecs.opus import OpusStreamEncoder
@@ -60,53 +56,15 @@ PATHS = [
 ]
 
 
-def speechlike(seconds: float, rate: int = MODEL_RATE, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(rate * seconds)) / rate
-    tones = (np.sin(2 * np.pi * rng.uniform(150, 3500) * t + 3 * np.sin(2 * np.pi * t)) for _ in range(4))
-    x = 0.1 * sum(tones)
-    return (x + 0.01 * rng.standard_normal(len(t))).astype(np.float32)
-
-
-SPEECH_TEXT = (
-    "Full duplex speech models listen and talk at the same time. Every eighty milliseconds the "
-    "server takes one frame from each conversation, runs the model once for all of them, and "
-    "sends one frame back to each. The frontend must keep up with every session at once."
-)
-
-
-def espeak_speech(seconds: float) -> np.ndarray | None:
-    """Real speech from espeak-ng at 24 kHz, looped to ``seconds``; None without espeak-ng."""
-    if shutil.which("espeak-ng") is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "speech.wav")
-        subprocess.run(["espeak-ng", "-w", path, SPEECH_TEXT], check=True, capture_output=True)
-        with wave.open(path) as w:
-            rate = w.getframerate()
-            raw = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
-    x = soxr.resample(raw, rate, MODEL_RATE).astype(np.float32)
-    return np.resize(x, int(seconds * MODEL_RATE))
-
-
-def model_signal(seconds: float) -> tuple[np.ndarray, str]:
-    """What the benchmarks feed: speech when espeak-ng is there, else the tone mix.
-
-    The signal matters for Opus only, and much: libopus (through sphn) takes its cheap
-    CELT path for steady tones (about 0.35 ms a frame) and its SILK path for speech, noise
-    and silence (about 1.3 ms a frame), so tones would understate a real session's cost.
-    """
-    speech = espeak_speech(seconds)
-    if speech is not None:
-        return speech, "espeak-ng speech"
-    return speechlike(seconds), "tone mix (espeak-ng missing: Opus costs are understated)"
-
-
 def bench_opus_signals(frames: int = 60) -> dict[str, dict[str, float]]:
     """Opus cost per frame by kind of signal: the encoder's mode, not the code, sets it."""
-    signals = {"tone mix": speechlike(frames * 0.08), "silence": np.zeros(frames * FRAME_SAMPLES, np.float32),
-               "noise at -30 dBFS": (0.03 * np.random.default_rng(0).standard_normal(frames * FRAME_SAMPLES))
-               .astype(np.float32)}
+    signals = {
+        "tone mix": speechlike(frames * 0.08),
+        "silence": np.zeros(frames * FRAME_SAMPLES, np.float32),
+        "noise at -30 dBFS": (0.03 * np.random.default_rng(0).standard_normal(frames * FRAME_SAMPLES)).astype(
+            np.float32
+        ),
+    }
     speech = espeak_speech(frames * 0.08)
     if speech is not None:
         signals["espeak-ng speech"] = speech
@@ -147,8 +105,10 @@ def bench_opus_encoders(frames: int = 250, repeats: int = 3) -> dict[str, dict[s
             t0 = time.thread_time()
             size = sum(len(enc.encode(f)) for f in chunks[1:])
             best = min(best, (time.thread_time() - t0) / (len(chunks) - 1))
-        out[name] = {"encode_us": round(1e6 * best, 1),
-                     "kbit_s": round(8 * size / (0.08 * (len(chunks) - 1)) / 1000, 1)}
+        out[name] = {
+            "encode_us": round(1e6 * best, 1),
+            "kbit_s": round(8 * size / (0.08 * (len(chunks) - 1)) / 1000, 1),
+        }
     return out
 
 
@@ -187,13 +147,15 @@ def bench_paths(frames: int = 200) -> list[dict[str, object]]:
             state["i"] += 1
 
         dec, enc = make_decoder(fmt), make_encoder(fmt)
-        rows.append({
-            "format": fmt.format,
-            "sample_rate": fmt.sample_rate,
-            "decode_us": round(_per_call_us(decode_one, frames), 1),
-            "encode_us": round(_per_call_us(encode_one, frames), 1),
-            "inline": bool(dec.inline and enc.inline),
-        })
+        rows.append(
+            {
+                "format": fmt.format,
+                "sample_rate": fmt.sample_rate,
+                "decode_us": round(_per_call_us(decode_one, frames), 1),
+                "encode_us": round(_per_call_us(encode_one, frames), 1),
+                "inline": bool(dec.inline and enc.inline),
+            }
+        )
     return rows
 
 
@@ -353,15 +315,17 @@ def bench_opus_offload(sessions: int = 64, frames: int = 40, workers: int = 2) -
     return [asyncio.run(run(mode)) for mode in ("inline", "threads", "processes")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m duplexserve.codecs.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--frames", type=int, default=200, help="frames per path measurement")
-    parser.add_argument("--opus-encoders", action="store_true",
-                        help="only compare the Ogg/Opus output encoders (sphn, libopus at complexity 0/5/10)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--opus-encoders",
+        action="store_true",
+        help="only compare the Ogg/Opus output encoders (sphn, libopus at complexity 0/5/10)",
+    )
 
+
+def run(args: argparse.Namespace) -> int:
     result: dict[str, object] = {"cpu_count": os.cpu_count(), "signal": model_signal(0.08)[1]}
     print(f"signal: {result['signal']}")
     result["opus_encoders"] = encoders = bench_opus_encoders()
@@ -378,13 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     result["paths"] = paths = bench_paths(args.frames)
     for row in paths:
         where = "inline" if row["inline"] else "off the loop"
-        print(f"{row['format'] + '@' + str(row['sample_rate']):22s} {row['decode_us']:16.1f} "
-              f"{row['encode_us']:16.1f}  {where}")
+        print(
+            f"{row['format'] + '@' + str(row['sample_rate']):22s} {row['decode_us']:16.1f} "
+            f"{row['encode_us']:16.1f}  {where}"
+        )
     result["opus_signals"] = signals = bench_opus_signals()
     print("\nOpus by signal (us per frame; the encoder's first 10 frames apart):")
     for name, row in signals.items():
-        print(f"  {name:20s} encode {row['encode_us']:7.1f}  first 10 {row['encode_first_10_frames_us']:7.1f}"
-              f"  decode {row['decode_us']:6.1f}")
+        print(
+            f"  {name:20s} encode {row['encode_us']:7.1f}  first 10 {row['encode_first_10_frames_us']:7.1f}"
+            f"  decode {row['decode_us']:6.1f}"
+        )
     result["gil"] = gil = bench_gil()
     print("\nGIL left to other threads (1.0: like C code that releases it, 0.0: like C code that holds it):")
     for name, value in gil.items():
@@ -395,15 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n64 Opus sessions, decode + encode per frame (us per frame):")
     print(f"  {'mode':10s} {'loop thread':>12s} {'this process':>13s} {'workers':>8s} {'wall':>8s}")
     for row in rows:
-        print(f"  {row['mode']:10s} {row['loop_thread_us_per_frame']:12.1f} "
-              f"{row['server_process_cpu_us_per_frame']:13.1f} "
-              f"{row['worker_processes_cpu_us_per_frame']:8.1f} {row['wall_us_per_frame']:8.1f}")
+        print(
+            f"  {row['mode']:10s} {row['loop_thread_us_per_frame']:12.1f} "
+            f"{row['server_process_cpu_us_per_frame']:13.1f} "
+            f"{row['worker_processes_cpu_us_per_frame']:8.1f} {row['wall_us_per_frame']:8.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"\nwrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """vLLM-Omni's own duplex frontend against duplexserve bridging into the same engine, one run.
 
-``python -m duplexserve.loadgen.vllm_side_by_side`` (in a venv with vLLM-Omni 0.30, see
+``duplexserve bench vllm-side-by-side`` (in a venv with vLLM-Omni 0.30, see
 docs/vllm-omni.md). Both servers host the same thing: vLLM-Omni 0.30's real duplex
-engine on the CPU with the model stood in by an echo (``vllm_omni_standin``). What
+engine on the CPU with the model stood in by an echo (``testing/vllm_omni_standin``). What
 differs is the frontend in front of it:
 
 - ``vllm-omni``: vLLM-Omni's own ``/v1/realtime?duplex=1`` as ``vllm serve`` wires it
@@ -72,7 +72,7 @@ def serve_vllm_omni(port: int, max_sessions: int) -> None:
     from vllm_omni.entrypoints.duplex_omni import DuplexOmni
     from vllm_omni.entrypoints.openai.api_server import router
 
-    from duplexserve.engine_bridge.vllm_omni_standin import CountingExecutor, StandInDuplexOmniEngine
+    from duplexserve.testing.vllm_omni_standin import CountingExecutor, StandInDuplexOmniEngine
 
     counts = {"audio_deltas": 0}
 
@@ -158,14 +158,16 @@ class Frontend:
     """One server subprocess, pinned to the server core."""
 
     def __init__(self, name: str, max_sessions: int, pin: bool) -> None:
-        from duplexserve.loadgen.servers import SERVER_CPU, can_pin, free_port
+        from duplexserve.bench.servers import SERVER_CPU, can_pin, free_port
 
         self.name = name
         self.port = free_port()
         command = [
             sys.executable,
             "-m",
-            "duplexserve.loadgen.vllm_side_by_side",
+            "duplexserve",
+            "bench",
+            "vllm-side-by-side",
             "serve",
             "--frontend",
             name,
@@ -316,7 +318,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from duplexserve.loadgen.servers import pin_client
+    from duplexserve.bench.servers import pin_client
 
     levels = tuple(int(x) for x in args.levels.split(","))
     modes = tuple(args.modes.split(","))
@@ -368,7 +370,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
     import numpy as np
 
     from duplexserve.engine_bridge.vllm_omni.bridge import VllmOmniBridge
-    from duplexserve.engine_bridge.vllm_omni.setup import STANDIN_MODEL, session_payload, standin_builder
+    from duplexserve.engine_bridge.vllm_omni.setup import session_payload, standin_builder
+    from duplexserve.testing import STANDIN_MODEL
 
     rng = np.random.default_rng(0)
     pcm = (rng.integers(-16000, 16000, 64 * 1920) / 32768).astype(np.float32).reshape(64, 1920)
@@ -427,13 +430,8 @@ def floor(sessions: int, frames: int) -> dict[str, float]:
     return asyncio.run(go())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m duplexserve.loadgen.vllm_side_by_side",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="command")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="part")
     s = sub.add_parser("serve", help="one frontend over the stand-in engine (what run starts)")
     s.add_argument("--frontend", choices=FRONTENDS, required=True)
     s.add_argument("--port", type=int, required=True)
@@ -450,15 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("floor", help="the engine alone, fed in process (pin it: taskset -c 0)")
     f.add_argument("--sessions", type=int, default=64)
     f.add_argument("--frames", type=int, default=512)
-    args = p.parse_args(argv if argv is not None else (sys.argv[1:] or ["run"]))
-    if args.command == "floor":
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.part is None:  # bare ``vllm-side-by-side``: the run with its defaults
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args(["run"])
+    if args.part == "floor":
         print(json.dumps(floor(args.sessions, args.frames)))
         return 0
-    if args.command == "serve":
+    if args.part == "serve":
         (serve_vllm_omni if args.frontend == "vllm-omni" else serve_duplexserve)(args.port, args.max_sessions)
         return 0
     return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -57,9 +57,8 @@ from vllm_omni.engine.orchestrator import OrchestratorBase, StreamingSegmentStat
 from vllm_omni.engine.stage_runtime import StageRuntimeInfo
 from vllm_omni.outputs import OmniRequestOutput
 
-from duplexserve.engine_bridge.vllm_omni.setup import STANDIN_MODEL
+from duplexserve.testing import STANDIN_MODEL
 
-MODEL_NAME = STANDIN_MODEL
 SAMPLE_RATE = 24000
 FRAME_SAMPLES = 1920
 
@@ -367,7 +366,7 @@ class StandInDuplexOmniEngine(DuplexOmniEngine):
             "step_ms": step_ms,
             "idle_ttl_s": idle_ttl_s,
         }
-        super().__init__(MODEL_NAME, duplex_audio_encoder=duplex_audio_encoder, **kwargs)
+        super().__init__(STANDIN_MODEL, duplex_audio_encoder=duplex_audio_encoder, **kwargs)
 
     def _validate_deployment(self) -> None:
         self.deploy_config = SimpleNamespace(session_mode="duplex")
@@ -415,3 +414,4 @@ class StandInDuplexOmniEngine(DuplexOmniEngine):
             **orchestrator_kwargs,
         )
         return self.orchestrator
+

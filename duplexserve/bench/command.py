@@ -1,0 +1,76 @@
+"""``duplexserve bench``: every benchmark of docs/benchmarks.md, one subcommand each.
+
+Bare ``duplexserve bench [--short ...]`` runs the suite (burst, ws, rtf, capacity).
+Each benchmark's module is imported only when it runs, so a GPU host running the
+moshi benchmarks needs none of the others' packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+
+from duplexserve.subcommands import LazyParser, from_module
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """Where a subcommand lives (a module of duplexserve.bench) and what ``-h`` says of it."""
+
+    module: str
+    help: str
+    add: str = "add_arguments"  # its options: add(parser)
+    run: str = "run"  # run(args) -> exit status (None: 0)
+
+
+BENCHMARKS = {
+    "burst": Benchmark("suite", "host burst: the echo floor, duplexserve and the per-frame offload path"),
+    "ws": Benchmark("suite", "uvicorn's two WebSocket implementations, by burst CPU per frame"),
+    "rtf": Benchmark("suite", "paced RTF run against an engine stepping like an H200 2B-class model"),
+    "capacity": Benchmark("suite", "paced capacity sweep, judged against the bare echo"),
+    "all": Benchmark("suite", "burst, ws, rtf and capacity (what bare `duplexserve bench` runs)"),
+    "codec-costs": Benchmark("codec_costs", "what each codec path costs per frame, and where it should run"),
+    "opus-capacity": Benchmark("opus_capacity", "how many real-time Ogg/Opus sessions a server holds"),
+    "vllm-side-by-side": Benchmark(
+        "vllm_side_by_side",
+        "vLLM-Omni's own duplex frontend against duplexserve on the same engine",
+        run="main",
+    ),
+    "moshi-steps": Benchmark(
+        "moshi",
+        "moshi engine: GPU step time against batch size, engine alone",
+        add="add_steps_arguments",
+        run="cmd_steps",
+    ),
+    "moshi-rtf": Benchmark(
+        "moshi",
+        "moshi engine: paced RTF run through the real server",
+        add="add_rtf_arguments",
+        run="cmd_rtf",
+    ),
+    "moshi-step": Benchmark(
+        "moshi_step", "moshi engine: the step broken down, one layer's attention, agreement with batch 1"
+    ),
+    "soak": Benchmark("soak", "sessions come and go for a set time; leaks and losses counted"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from duplexserve.bench import suite
+
+    suite.add_options(p)  # for bare `duplexserve bench`
+    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=LazyParser)
+    for name, bench in BENCHMARKS.items():
+        sub.add_parser(
+            name,
+            help=bench.help,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            define=from_module(f"duplexserve.bench.{bench.module}", bench.add),
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = BENCHMARKS[args.benchmark or "all"]
+    module = importlib.import_module(f"duplexserve.bench.{bench.module}")
+    return getattr(module, bench.run)(args) or 0

@@ -1,0 +1,52 @@
+"""``duplexserve bench``: one subcommand per benchmark, each loaded only when chosen."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+from duplexserve.bench import command
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="duplexserve bench")
+    command.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bare_bench_is_the_suite_and_its_options_go_before_or_after_the_names():
+    assert vars(parse("--short")) == {"benchmark": None, "short": True}
+    args = parse("--short", "burst", "ws", "--out", "x")
+    assert (args.benchmark, args.more, args.short, args.out) == ("burst", ["ws"], True, "x")
+    assert not hasattr(parse("rtf"), "short")  # unset: the suite fills in its defaults
+
+
+def test_each_benchmark_keeps_its_own_options():
+    args = parse("vllm-side-by-side", "run", "--reps", "1")
+    assert (args.part, args.reps, args.out) == ("run", 1, "bench-out/vllm-omni")
+    args = parse("moshi-rtf", "--sessions", "192", "--engine-process")
+    assert (args.sessions, args.engine_process, args.preset) == (192, True, "hibiki-2b")
+    assert parse("codec-costs", "--opus-encoders").opus_encoders
+
+
+def test_every_benchmark_names_functions_that_exist():
+    for name, bench in command.BENCHMARKS.items():
+        module = importlib.import_module(f"duplexserve.bench.{bench.module}")
+        assert callable(getattr(module, bench.add)) and callable(getattr(module, bench.run)), name
+
+
+def test_serve_imports_neither_loadgen_nor_bench():
+    code = (
+        "import sys\n"
+        "import duplexserve.server.run as run\n"
+        "from duplexserve import cli\n"
+        "run.serve = lambda config: None\n"
+        "cli.main(['serve'])\n"
+        "tools = ('duplexserve.loadgen', 'duplexserve.bench')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(tools)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
