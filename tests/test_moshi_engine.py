@@ -179,3 +179,18 @@ def test_stock_presets_restate_the_library():
     assert loaders._seanet_kwargs == moshi_presets.SEANET
     assert loaders._transformer_kwargs == moshi_presets.MIMI_TRANSFORMER
     assert moshi_presets.get_preset("hibiki-2b").max_delay == 2
+
+
+def test_the_moshi_engine_on_a_gpu_runs_in_its_own_process_unless_told_not_to():
+    import argparse
+
+    def config(*flags: str) -> ServerConfig:
+        parser = argparse.ArgumentParser()
+        ServerConfig.add_arguments(parser)
+        return ServerConfig.from_namespace(parser.parse_args(list(flags)))
+
+    assert config("--engine", "moshi", "--device", "cuda").engine_in_process
+    assert not config("--engine", "moshi", "--device", "cuda", "--no-engine-process").engine_in_process
+    assert not config("--engine", "moshi", "--device", "cpu").engine_in_process
+    assert not config().engine_in_process  # the synthetic engine keeps one process
+    assert config("--engine-process").engine_in_process
