@@ -103,6 +103,9 @@ def images(request) -> Iterator[Images]:
         nginx=f"duplexserve-ci:nginx-{RUN}",
     )
     built: list[str] = []
+    # The legacy builder leaves each multi-stage build's first stage as an untagged image:
+    # those that appear during this run go too.
+    dangling_before = set(sh("docker", "images", "-q", "--filter", "dangling=true").stdout.split())
 
     def timed(label: str, image: str, *command: str) -> None:
         start = time.monotonic()
@@ -123,14 +126,19 @@ def images(request) -> Iterator[Images]:
               "-t", names.nginx, "docker/nginx")
         summary = ", ".join(f"{k} {v['mb']:.0f} MB in {v['seconds']:.0f} s" for k, v in names.report.items())
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"\ndocker images built: {summary}")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"\ndocker images built: {summary}")
         (ROOT / "build").mkdir(exist_ok=True)
         (ROOT / "build" / "docker-images.json").write_text(json.dumps(names.report, indent=1) + "\n")
         yield names
     finally:
         if not os.environ.get("DUPLEXSERVE_DOCKER_KEEP") and built:
             sh("docker", "image", "rm", "--force", *built, check=False)
+            dangling = set(sh("docker", "images", "-q", "--filter", "dangling=true").stdout.split())
+            if dangling - dangling_before:
+                sh("docker", "image", "rm", *(dangling - dangling_before), check=False)
 
 
 # ------------------------------------------------------------------ helpers
