@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make a Debian base image for the Dockerfiles from Debian packages alone: no image
-# registry needed, only a Debian mirror (docs/deploy.md, "Building offline").
+# registry needed, only a Debian mirror (docs/deploy.md, "Building without an image registry").
 #
 #   scripts/docker-base.sh                       duplexserve-base:bookworm (python3, venv)
 #   scripts/docker-base.sh --tag NAME --suite bookworm --mirror URL --include nginx
@@ -22,6 +22,7 @@ MIRROR=()
 PACKAGES=python3,python3-venv,python-is-python3,ca-certificates
 EXTRA=""
 CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+PIP_CONF=""
 
 usage() {
   sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
@@ -34,6 +35,7 @@ Options:
   --packages PKGS     replace the default package set ($PACKAGES)
   --ca-bundle FILE    CA bundle to install as /etc/ssl/certs/ca-certificates.crt (default $CA_BUNDLE)
   --no-ca-bundle      keep Debian's own CA bundle
+  --pip-conf FILE     install FILE as /etc/pip.conf (a private index or mirror for builds)
 EOF
 }
 
@@ -46,6 +48,7 @@ while [ $# -gt 0 ]; do
     --packages) PACKAGES=$2; shift 2 ;;
     --ca-bundle) CA_BUNDLE=$2; shift 2 ;;
     --no-ca-bundle) CA_BUNDLE=""; shift ;;
+    --pip-conf) PIP_CONF=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "docker-base.sh: unknown argument $1 (--help lists them)" >&2; exit 2 ;;
   esac
@@ -78,6 +81,10 @@ hooks=(--skip=chroot/policy-rc.d
   --extract-hook="install -m 644 '$tmp/docker-clean' \"\$1/etc/apt/apt.conf.d/docker-clean\"")
 if [ -n "$CA_BUNDLE" ]; then
   hooks+=(--customize-hook="upload $CA_BUNDLE /etc/ssl/certs/ca-certificates.crt")
+fi
+if [ -n "$PIP_CONF" ]; then
+  [ -r "$PIP_CONF" ] || { echo "docker-base.sh: cannot read $PIP_CONF" >&2; exit 1; }
+  hooks+=(--customize-hook="upload $PIP_CONF /etc/pip.conf")
 fi
 
 start=$(date +%s)
