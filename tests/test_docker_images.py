@@ -9,7 +9,7 @@ and docker-compose, and the Debian mirror and the package index that the builds 
 from. Without them these tests skip, except under CI (``CI=true``), where they fail: a
 missing install step must not pass as a skip.
 
-The base is built once per test run (about a minute); ``DUPLEXSERVE_DOCKER_BASE=IMAGE``
+The base is built once per test run (about a minute on an idle machine); ``DUPLEXSERVE_DOCKER_BASE=IMAGE``
 uses an existing one instead, ``DUPLEXSERVE_DOCKER_KEEP=1`` keeps the images afterwards.
 The build times and image sizes are printed and written to build/docker-images.json.
 """
@@ -44,7 +44,8 @@ RUN = f"{os.getpid()}"
 BUILD_ENV = {**os.environ, "DOCKER_BUILDKIT": "0"}
 CPU_GRACE_S = 30
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
+# The first test also waits for the builds (3.5 min idle, 10 under load): a generous limit.
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 
 def sh(*args: str, timeout: float = 600, check: bool = True,
