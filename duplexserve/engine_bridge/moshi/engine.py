@@ -3,9 +3,12 @@
 Every session is a slot of one ``streaming_forever(num_slots)`` state of Mimi and of
 ``LMGen``; a step runs Mimi encode, one LM step and Mimi decode over all slots at once,
 always at the full batch size so that the shapes never change and the library's CUDA
-graphs replay. Slots without a frame this step are masked with ``set_exec_mask``
-(their state does not move); a slot is reset with ``reset_streaming(mask)`` when a
-session opens in it, so nothing of the previous occupant survives.
+graphs replay. Slots without a frame this step are masked by the exec mask (one device
+tensor that every streaming state reads; their state does not move); a slot is reset
+with ``reset_streaming(mask)`` when a session opens in it, so nothing of the previous
+occupant survives. The LM's temporal attention reads each row's live prefix of its KV
+ring only (``live_lm.py``), optionally from an 8-bit ring, and the ring is sized against
+the GPU's free memory before it is allocated (``memory.py``).
 
 The LM answers with a delay (``max(delays)`` frames: 1 for Moshi, 2 for Hibiki). With
 ``support_out_of_sync`` each slot keeps its own clock, and the rows still inside
