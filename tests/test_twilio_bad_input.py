@@ -122,3 +122,15 @@ def test_start_without_stream_sid_and_a_call_that_never_starts(server):
 
     assert asyncio.run(main()) == (1007, 1000)
     assert "invalid_start: start without a streamSid" in server.log()
+
+
+def test_a_call_that_never_sends_start_is_closed_after_the_handshake_timeout(server_factory):
+    server = server_factory("--handshake-timeout-s", "2")
+
+    async def main() -> int | None:
+        twilio = FakeTwilio(server.ws("/v1/twilio"))
+        await twilio.open(start=False)  # connected, then nothing
+        return (await twilio.wait_closed()).close_code
+
+    assert asyncio.run(main()) == 1008
+    assert "no_start: no start event within 2 s" in server.log()

@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 MULAW_8K = AudioFormat("g711_ulaw", 8000)
 FRAME_BYTES = MULAW_8K.frame_samples  # 640 mu-law bytes: one 80 ms model frame
-START_TIMEOUT_S = 10.0  # Twilio sends start right after connected
 MAX_GROUP_FRAMES = 8  # frames per outgoing media message at most (640 ms)
 MARKS_KEPT = 4096  # marks awaiting their echo (5 minutes of frames); older ones are forgotten
 LOGGED_PER_CALL = 5  # dropped messages logged one by one per call; the rest only counted
@@ -124,13 +123,18 @@ class TwilioConnection(Connection):
         return True
 
     async def _wait_start(self) -> wire.Start | None:
-        """Messages up to ``start``: ``connected`` is expected, anything else dropped."""
-        loop, deadline = self._loop, self._loop.time() + START_TIMEOUT_S
+        """Messages up to ``start``: ``connected`` is expected, anything else dropped.
+
+        ``start`` is part of Twilio's handshake (it comes at once), so it gets the handshake's
+        time limit, ``--handshake-timeout-s``.
+        """
+        limit = self.config.handshake_timeout_s
+        loop, deadline = self._loop, self._loop.time() + limit
         while True:
             try:
                 message = await asyncio.wait_for(self._receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                await self.refuse(errors.POLICY, "no_start", f"no start event within {START_TIMEOUT_S:.0f} s")
+                await self.refuse(errors.POLICY, "no_start", f"no start event within {limit:g} s")
                 return None
             if message["type"] != "websocket.receive":
                 return None  # gone before start
