@@ -204,3 +204,21 @@ def test_full_server_refuses_the_call(server_factory):
         return code
 
     assert run(main()) == 1013
+
+
+def test_a_dropped_socket_ends_the_call_with_its_counts(tw_server):
+    async def main() -> FakeTwilio:
+        twilio = FakeTwilio(tw_server.ws("/v1/twilio"))
+        await twilio.open()
+        await twilio.send_audio(speech(0.5, seed=9))
+        await twilio.wait_audio(FRAME)
+        twilio._ws.transport.abort()  # the line goes dead: no stop, no close frame
+        return twilio
+
+    twilio = run(main())
+
+    async def ended() -> None:
+        while f"call {twilio.call_sid} ended (disconnected): frames in" not in tw_server.log():
+            await asyncio.sleep(0.1)
+
+    run(asyncio.wait_for(ended(), 30))
