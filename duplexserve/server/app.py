@@ -29,11 +29,14 @@ from duplexserve.server.native import NativeConnection
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.realtime import RealtimeConnection
 from duplexserve.server.session import Limits
+from duplexserve.server.twilio import TwilioConnection
+from duplexserve.server.twilio_wire import TwilioCollector
 
 PROTOCOLS: dict[str, type[Connection]] = {
     "/v1/duplex": NativeConnection,
     "/v1/realtime": RealtimeConnection,
     "/api/chat": MoshiConnection,
+    "/v1/twilio": TwilioConnection,
 }
 # The talk page at / (docs/deploy.md): plain files, no build step.
 STATIC_DIR = Path(__file__).with_name("static")
@@ -60,6 +63,7 @@ class DuplexApp:
         self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
         self.codec_procs = CodecProcesses(config.codec_processes, config.opus_complexity)
         self.metrics.registry.register(CodecProcessesCollector(self.codec_procs.cpu_seconds))
+        self.metrics.registry.register(TwilioCollector())
         self.http = self._http_app()
 
     @contextlib.asynccontextmanager

@@ -45,6 +45,9 @@ class Connection(ABC):
     """Subclasses implement one wire protocol on top of the session core."""
 
     protocol = "?"
+    #: True: the adapter checks the API key in ``handshake`` itself, because the key comes in
+    #: a message after the WebSocket is accepted (Twilio: the ``start`` event).
+    deferred_auth = False
 
     def __init__(
         self,
@@ -98,7 +101,9 @@ class Connection(ABC):
         if not auth.origin_ok(self.scope, auth.parse_list(self.config.allowed_origins)):
             await self.refuse(errors.POLICY, "origin_not_allowed", "this Origin may not connect")
             return
-        if not auth.key_ok(self.scope, self.query, auth.parse_list(self.config.api_keys)):
+        if not self.deferred_auth and not auth.key_ok(
+            self.scope, self.query, auth.parse_list(self.config.api_keys)
+        ):
             await self.refuse(errors.POLICY, "unauthorized", "a valid API key is required")
             return
         if not await self.handshake():
