@@ -60,6 +60,13 @@ def _load() -> ctypes.CDLL | None:
         lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                           ctypes.c_void_p, ctypes.c_int32]
         lib.opus_encoder_ctl.restype = ctypes.c_int
+        lib.opus_decoder_create.restype = ctypes.c_void_p
+        lib.opus_decoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        lib.opus_decoder_destroy.restype = None
+        lib.opus_decoder_destroy.argtypes = [ctypes.c_void_p]
+        lib.opus_decode_float.restype = ctypes.c_int
+        lib.opus_decode_float.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         # opus_encoder_ctl is variadic: argtypes stay unset, arguments are passed as
         # explicit c_int / pointer values at each call.
         return lib
