@@ -89,6 +89,10 @@ class ServerConfig:
         5, "Opus output: libopus encoder complexity, 0 (cheapest) to 10, application AUDIO (docs/codecs.md); "
         "ignored when libopus cannot be loaded and sphn encodes"
     )
+    codec_batch_ms: float = _opt(
+        2.0, "codec worker requests wait up to this long to leave together (one sendmsg, one worker "
+        "wake-up and one reply for many sessions' frames); 0: at the end of each loop iteration"
+    )
 
     engine_coalesce_ms: float = _opt(
         1.0,
@@ -214,6 +218,8 @@ class ServerConfig:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
         if not 0 <= self.opus_complexity <= 10:
             raise ValueError("opus_complexity must be 0..10")
+        if not 0 <= self.codec_batch_ms <= 20:
+            raise ValueError("codec_batch_ms must be 0..20")
 
 
 _BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")

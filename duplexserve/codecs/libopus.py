@@ -165,7 +165,7 @@ class LibopusEncoder:
         n = self._lib.opus_encode_float(self._st, pcm.ctypes.data, PACKET_SAMPLES, self._out, _MAX_PACKET)
         if n < 0:
             raise RuntimeError(f"opus_encode_float failed ({n})")
-        return self._out.raw[:n]
+        return ctypes.string_at(self._out, n)  # .raw[:n] would copy all 4000 bytes first
 
     def __del__(self) -> None:
         st, self._st = getattr(self, "_st", None), None

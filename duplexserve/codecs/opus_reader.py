@@ -134,3 +134,12 @@ class LibopusStreamDecoder:
 
     def __del__(self) -> None:
         self._close()
+
+
+def make_opus_decoder() -> LibopusStreamDecoder | object:
+    """The libopus decoder when libopus loads, else sphn's reader (the same samples)."""
+    if LIBOPUS is not None:
+        return LibopusStreamDecoder()
+    from duplexserve.codecs.opus import OpusStreamDecoder
+
+    return OpusStreamDecoder()

@@ -29,7 +29,7 @@ import numpy as np
 from duplexserve.codecs import g711, pcm
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
 from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
-from duplexserve.codecs.opus import OpusStreamDecoder
+from duplexserve.codecs.opus_reader import make_opus_decoder
 from duplexserve.codecs.resample import FrameResampler, StreamResampler, runs_inline
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def make_decoder(fmt: AudioFormat, procs: CodecProcesses | None = None) -> Decod
     if fmt.format == "opus":
         if fmt.sample_rate != MODEL_RATE:
             raise FormatError("opus is always 24000 Hz")
-        return procs.opus_decoder() if procs is not None and procs.enabled else OpusStreamDecoder()
+        return procs.opus_decoder() if procs is not None and procs.enabled else make_opus_decoder()  # type: ignore[return-value]
     if fmt.format not in TO_F32:
         raise FormatError(f"input {fmt.format} at {fmt.sample_rate} Hz is not supported")
     return PcmDecoder(fmt)
