@@ -38,6 +38,20 @@ from duplexserve.loadgen import metrics as lm
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.scrape import scrape
 
+def codec_reference_us(messages: list[bytes], complexity: int, frames: int = 100) -> float:
+    """libopus's own work per frame now (decode one message, encode one frame, ctypes, one
+    thread): the yardstick for the server's figures on a shared machine, whose load
+    stretches every CPU time alike. Quiet, it is about 290 us at complexity 5."""
+    from duplexserve.codecs.libopus import LibopusStreamEncoder
+    from duplexserve.codecs.opus_reader import LibopusStreamDecoder
+
+    dec, enc = LibopusStreamDecoder(), LibopusStreamEncoder(complexity)
+    t0 = time.thread_time()
+    for m in messages[:frames]:
+        enc.encode(dec.decode(m))
+    return 1e6 * (time.thread_time() - t0) / min(frames, len(messages))
+
+
 PATHS = {"native": "/v1/duplex?input_format=opus&output_format=opus", "moshi": "/api/chat"}
 
 
@@ -123,7 +137,8 @@ async def run_level(base: str, protocol: str, sessions: int, messages: list[byte
         loop_us = 1e6 * d["duplexserve_cpu_seconds_total"] / out
         workers_us = 1e6 * d.get("duplexserve_codec_processes_cpu_seconds_total", 0.0) / out
         result.update(loop_process_us=round(loop_us, 1), workers_us=round(workers_us, 1),
-                      server_us=round(loop_us + workers_us, 1))
+                      server_us=round(loop_us + workers_us, 1),
+                      loop_switches=round(d.get("duplexserve_voluntary_context_switches_total", 0.0) / out, 2))
     result["held"] = bool(failures == [] and underruns == 0)
     return result
 
@@ -153,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[],
                    help="NAME=DIR[|FLAGS]: a server from that checkout, with extra flags (default: this one, as 'this')")
-    p.add_argument("--server-flags", default="", help="flags for every started server")
+    p.add_argument("--server-flags", default="", help="more flags for every started server")
     p.add_argument("--protocol", default="native,moshi", help="native and/or moshi, comma-separated")
     p.add_argument("--sessions", default="40,120,200", help="levels, comma-separated")
     p.add_argument("--seconds", type=float, default=20.0, help="audio per session")
     p.add_argument("--rounds", type=int, default=1, help="repeat every level this often, trees interleaved")
     p.add_argument("--ramp-s", type=float, default=1.0, help="spread of the session starts")
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--complexity", type=int, default=5, help="the servers' --opus-complexity")
     p.add_argument("--json", help="write every result here")
     args = p.parse_args(argv)
 
@@ -167,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = {}
     for name, spec in trees.items():
         tree, _, flags = spec.partition("|")
-        servers[name] = start_server(tree, args.server_flags.split() + flags.split())
+        flags = f"--opus-complexity {args.complexity} {args.server_flags} {flags}"
+        servers[name] = start_server(tree, flags.split())
     messages = cap.opus_stream(args.seconds)
     results = []
     try:
@@ -179,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                 for protocol in args.protocol.split(","):
                     for name, (_, base) in servers.items():
                         r = asyncio.run(run_level(base, protocol, level, messages, args.ramp_s, args.timeout_s))
-                        r.update(tree=name, round=rnd, load_average=round(os.getloadavg()[0], 2))
+                        ref = codec_reference_us(messages, args.complexity)
+                        r.update(tree=name, round=rnd, load_average=round(os.getloadavg()[0], 2),
+                                 codec_reference_us=round(ref, 1))
                         results.append(r)
                         print(json.dumps(r), flush=True)
     finally:
