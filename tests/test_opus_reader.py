@@ -43,7 +43,7 @@ def decode_all(dec, pieces: list[bytes]) -> np.ndarray:
 
 @pytest.mark.parametrize("writer", ["libopus", "sphn"])
 @pytest.mark.parametrize("cuts", [[10**6], [1], [7], [57, 4000, 300], [27], [28, 1]])
-def test_same_samples_as_sphns_reader_in_any_chunking(speech16k, writer, cuts):
+def test_same_samples_as_sphns_reader_in_any_chunking(speech16k, writer, cuts):  # noqa: F811
     """Bit for bit: both call libopus's float decoder on the same packets; any cut of the
     stream (inside a header, between lacing values, inside a packet) gives the same."""
     x = soxr.resample(speech16k, 16000, MODEL_RATE).astype(np.float32)
@@ -60,7 +60,7 @@ def test_message_by_message_one_frame_each_from_the_first():
     assert [len(dec.decode(m)) for m in messages] == [1920] * len(messages)  # pre-skip kept, as sphn
 
 
-def test_round_trip_correlates_at_the_lookahead(speech16k):
+def test_round_trip_correlates_at_the_lookahead(speech16k):  # noqa: F811
     x = soxr.resample(speech16k, 16000, MODEL_RATE).astype(np.float32)
     y = decode_all(LibopusStreamDecoder(), streams(x)["libopus"])
     lag = align(x, y, 2000)

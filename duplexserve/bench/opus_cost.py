@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -38,6 +39,7 @@ from duplexserve.loadgen import metrics as lm
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.scrape import scrape
 
+
 def codec_reference_us(messages: list[bytes], complexity: int, frames: int = 100) -> float:
     """libopus's own work per frame now (decode one message, encode one frame, ctypes, one
     thread): the yardstick for the server's figures on a shared machine, whose load
@@ -52,6 +54,7 @@ def codec_reference_us(messages: list[bytes], complexity: int, frames: int = 100
     return 1e6 * (time.thread_time() - t0) / min(frames, len(messages))
 
 
+SWITCHES = "duplexserve_voluntary_context_switches_total"
 PATHS = {"native": "/v1/duplex?input_format=opus&output_format=opus", "moshi": "/api/chat"}
 
 
@@ -68,7 +71,8 @@ class KyutaiSession(cap.OpusSession):
             self.created.set_result(None)
         elif kind == 0x01:
             super().on_binary(data[1:], now)
-            if len(self.received) == len(self.messages) and self.done is not None and not self.done.done():
+            finished = len(self.received) == len(self.messages)
+            if finished and self.done is not None and not self.done.done():
                 self.done.set_result(None)
         elif kind == 0x05:
             self.events.append({"type": "error", "code": data[1:].decode(errors="replace")})
@@ -109,10 +113,8 @@ async def run_level(base: str, protocol: str, sessions: int, messages: list[byte
     for s in clients:
         pacer.add(start + ramp_s * random.random(), s.send_next)
     done = asyncio.gather(*(s.done for s in clients))
-    try:
+    with contextlib.suppress(TimeoutError):  # the guards say what is missing
         await asyncio.wait_for(done, timeout_s + len(messages) * lm.FRAME_S + ramp_s)
-    except TimeoutError:
-        pass  # the guards say what is missing
     after = scrape(base + "/")
     for s in clients:
         if s.client is not None:
@@ -138,7 +140,7 @@ async def run_level(base: str, protocol: str, sessions: int, messages: list[byte
         workers_us = 1e6 * d.get("duplexserve_codec_processes_cpu_seconds_total", 0.0) / out
         result.update(loop_process_us=round(loop_us, 1), workers_us=round(workers_us, 1),
                       server_us=round(loop_us + workers_us, 1),
-                      loop_switches=round(d.get("duplexserve_voluntary_context_switches_total", 0.0) / out, 2))
+                      loop_switches=round(d.get(SWITCHES, 0.0) / out, 2))
     result["held"] = bool(failures == [] and underruns == 0)
     return result
 
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m duplexserve.bench.opus_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[],
-                   help="NAME=DIR[|FLAGS]: a server from that checkout, with extra flags (default: this one, as 'this')")
+                   help="NAME=DIR[|FLAGS]: a server from that checkout, with extra flags (default: this one)")
     p.add_argument("--server-flags", default="", help="more flags for every started server")
     p.add_argument("--protocol", default="native,moshi", help="native and/or moshi, comma-separated")
     p.add_argument("--sessions", default="40,120,200", help="levels, comma-separated")
@@ -188,14 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     messages = cap.opus_stream(args.seconds)
     results = []
     try:
-        for name, (_, base) in servers.items():  # warm-up: workers start, code is loaded
+        for _, base in servers.values():  # warm-up: workers start, code is loaded
             for protocol in args.protocol.split(","):
                 asyncio.run(run_level(base, protocol, 2, messages[:13], 0.1, args.timeout_s))
         for level in (int(x) for x in args.sessions.split(",")):
             for rnd in range(args.rounds):
                 for protocol in args.protocol.split(","):
                     for name, (_, base) in servers.items():
-                        r = asyncio.run(run_level(base, protocol, level, messages, args.ramp_s, args.timeout_s))
+                        r = asyncio.run(run_level(base, protocol, level, messages, args.ramp_s,
+                                                  args.timeout_s))
                         ref = codec_reference_us(messages, args.complexity)
                         r.update(tree=name, round=rnd, load_average=round(os.getloadavg()[0], 2),
                                  codec_reference_us=round(ref, 1))

@@ -99,7 +99,8 @@ class _Worker:
             batch.append(payload)
         if self._flush_at is None:
             loop = self.loop
-            self._flush_at = loop.call_later(self._batch_s, self._flush) if self._batch_s else loop.call_soon(self._flush)
+            delay = self._batch_s
+            self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_at = None
