@@ -50,6 +50,7 @@ _SOCKET_BUFFER = 4 << 20
 #: How long a request may wait for others to share its sendmsg (and the worker's wake-up
 #: and reply): sessions send at their own times, so per loop iteration there is often one.
 DEFAULT_BATCH_MS = 2.0
+_FULL_BATCH = 32  # buffers (16 requests with payloads): send now, the timer would add only latency
 _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 RECV_SIZE = 256 << 10
 _EMPTY = np.zeros(0, dtype=np.float32)
@@ -97,10 +98,16 @@ class _Worker:
         batch.append(REQUEST.pack(op, cid, len(payload)))
         if payload:
             batch.append(payload)
-        if self._flush_at is None:
+        flush_at = self._flush_at
+        if flush_at is None:
             loop = self.loop
             delay = self._batch_s
             self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
+        elif len(batch) == _FULL_BATCH and isinstance(flush_at, asyncio.TimerHandle):
+            # Enough to share the wake-ups already (every session's encode after an engine
+            # step): send at the end of this iteration rather than wait out the timer.
+            flush_at.cancel()
+            self._flush_at = self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_at = None
