@@ -81,7 +81,8 @@ async def run(sessions: int, messages: list[bytes], workers: int, batch_ms: floa
         procs.close()
     return {"sessions": sessions, "frames": frames, "loop_process_us": round(loop_us, 1),
             "workers_us": round(workers_us, 1), "loop_switches": round(switches[0], 3),
-            "worker_switches": round(switches[1], 3), "lag_p99_ms": round(1e3 * float(np.percentile(lag, 99)), 1),
+            "worker_switches": round(switches[1], 3),
+            "lag_p99_ms": round(1e3 * float(np.percentile(lag, 99)), 1),
             "load_average": round(os.getloadavg()[0], 2)}
 
 
