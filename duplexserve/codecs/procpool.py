@@ -1,13 +1,20 @@
-"""Codec worker processes for codecs that hold the GIL (Opus), driven from the event loop.
+"""Codec worker processes for Opus, driven from the event loop.
 
-sphn keeps the GIL while it encodes, so on a thread it would only take turns with the
-event loop; in a process it runs on another core. Each worker is a child process
-(``worker.py``) behind a Unix socket pair. A session's codec lives in one worker, chosen
-when it opens (the one with the least open cost, ``COST``), and all its requests go there; the
-worker answers in the order it was asked, so replies are matched to waiting futures by
-order alone. On the loop side the requests made in one loop iteration (every session's
-encode after an engine step, say) leave in one ``sendmsg``, and replies are read by a
-reader callback that drains whatever has arrived, so a busy loop reads many per wake-up.
+libopus through ctypes releases the GIL, but the Ogg framing and dispatch around each
+call do not, and a thread's CPU is the loop process's; in a process the whole codec runs
+on another core and the loop pays only the hand-off (docs/codecs.md). Each worker is a
+child process (``worker.py``) behind a Unix socket pair. A session's codec lives in one
+worker, chosen when it opens (the one with the least open cost, ``COST``), and all its
+requests go there; the worker answers in the order it was asked, so replies are matched
+to waiting futures by order alone.
+
+The hand-off is paid per batch, not per frame: paced sessions send at their own moments,
+so a loop iteration often makes one request, and one ``sendmsg``, one worker wake-up and
+one reply read per request cost the loop more than the request itself. Requests wait up
+to ``batch_ms`` (``--codec-batch-ms``, 2 ms) to leave together (at once when 16 have
+gathered, as every session's encode after an engine step does), the worker serves a
+whole batch before it answers in one ``sendmsg``, and a reader callback drains every
+reply that has arrived, resolving their futures in one go.
 
 Wire layout, little-endian: request ``u8 op, u32 codec id, u32 length, payload``;
 reply ``u8 status, u32 length, payload``, one per DECODE or ENCODE request. The payload
