@@ -83,7 +83,7 @@ class ServerConfig:
     # Codecs (docs/codecs.md says what runs where, and why).
     codec_threads: int = _opt(2, "threads for transcoding that releases the GIL (resampling above 96 kHz)")
     codec_processes: int = _opt(
-        2, "worker processes holding Opus codec state (off the loop process's CPU); 0: Opus runs on the event loop"
+        2, "worker processes holding Opus codec state (off the loop process); 0: Opus runs on the loop"
     )
     opus_complexity: int = _opt(
         5, "Opus output: libopus encoder complexity, 0 (cheapest) to 10, application AUDIO (docs/codecs.md); "
