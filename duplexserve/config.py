@@ -90,11 +90,15 @@ class ServerConfig:
     # Codecs (docs/codecs.md says what runs where, and why).
     codec_threads: int = _opt(2, "threads for transcoding that releases the GIL (resampling above 96 kHz)")
     codec_processes: int = _opt(
-        2, "worker processes holding Opus codec state (sphn holds the GIL); 0: Opus runs on the event loop"
+        2, "worker processes holding Opus codec state (off the loop process); 0: Opus runs on the loop"
     )
     opus_complexity: int = _opt(
         5, "Opus output: libopus encoder complexity, 0 (cheapest) to 10, application AUDIO (docs/codecs.md); "
         "ignored when libopus cannot be loaded and sphn encodes"
+    )
+    codec_batch_ms: float = _opt(
+        2.0, "codec worker requests wait up to this long to leave together (one sendmsg, one worker "
+        "wake-up and one reply for many sessions' frames); 0: at the end of each loop iteration"
     )
 
     engine_coalesce_ms: float = _opt(
@@ -221,6 +225,8 @@ class ServerConfig:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
         if not 0 <= self.opus_complexity <= 10:
             raise ValueError("opus_complexity must be 0..10")
+        if not 0 <= self.codec_batch_ms <= 20:
+            raise ValueError("codec_batch_ms must be 0..20")
 
 
 _BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")

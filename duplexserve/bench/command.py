@@ -32,6 +32,10 @@ BENCHMARKS = {
     "all": Benchmark("suite", "burst, ws, rtf and capacity (what bare `duplexserve bench` runs)"),
     "codec-costs": Benchmark("codec_costs", "what each codec path costs per frame, and where it should run"),
     "opus-capacity": Benchmark("opus_capacity", "how many real-time Ogg/Opus sessions a server holds"),
+    "opus-cost": Benchmark(
+        "opus_cost", "Opus CPU per frame, loop process and codec workers apart, both protocols"
+    ),
+    "opus-handoff": Benchmark("opus_handoff", "the loop's hand-off to the codec workers alone, no sockets"),
     "vllm-side-by-side": Benchmark(
         "vllm_side_by_side",
         "vLLM-Omni's own duplex frontend against duplexserve on the same engine",

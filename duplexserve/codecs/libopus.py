@@ -60,6 +60,13 @@ def _load() -> ctypes.CDLL | None:
         lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                           ctypes.c_void_p, ctypes.c_int32]
         lib.opus_encoder_ctl.restype = ctypes.c_int
+        lib.opus_decoder_create.restype = ctypes.c_void_p
+        lib.opus_decoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        lib.opus_decoder_destroy.restype = None
+        lib.opus_decoder_destroy.argtypes = [ctypes.c_void_p]
+        lib.opus_decode_float.restype = ctypes.c_int
+        lib.opus_decode_float.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         # opus_encoder_ctl is variadic: argtypes stay unset, arguments are passed as
         # explicit c_int / pointer values at each call.
         return lib
@@ -94,33 +101,34 @@ def ogg_crc_table(data: bytes) -> int:
 
 
 _REVERSE_BITS = bytes(int(f"{i:08b}"[::-1], 2) for i in range(256))
-_ZEROS = bytes(1 << 16)
+_ZERO_CRCS: dict[int, int] = {}  # zlib.crc32 of n zero bytes, by n (pages are under 64 KiB)
 
 
-def ogg_crc(data: bytes) -> int:
+def ogg_crc(data: bytes | bytearray) -> int:
     """The same CRC through zlib's table-driven C code, about 1 us a page. zlib computes
     the bit-reflected CRC of the same polynomial with initial value and final xor
     0xFFFFFFFF: reflect every byte in, reflect the result out, and cancel the initial
     value by xoring the CRC of as many zero bytes (the CRC is affine in its input)."""
     n = len(data)
-    zeros = _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
-    reflected = zlib.crc32(data.translate(_REVERSE_BITS)) ^ zlib.crc32(zeros)
+    zeros = _ZERO_CRCS.get(n)
+    if zeros is None:
+        zeros = _ZERO_CRCS[n] = zlib.crc32(bytes(n))
+    reflected = zlib.crc32(data.translate(_REVERSE_BITS)) ^ zeros
     return int.from_bytes(reflected.to_bytes(4, "little").translate(_REVERSE_BITS), "big")
 
 
 _PAGE_HEADER = struct.Struct("<4sBBqIII")  # capture, version, flags, granule, serial, seq, crc
+_CRC = struct.Struct("<I")
 
 
 def ogg_page(payload: bytes, granule: int, serial: int, seq: int, flags: int = 0) -> bytes:
-    """One Ogg page holding one whole packet (under 64 KiB)."""
+    """One Ogg page holding one whole packet (under 64 KiB). Built by bytes concatenation
+    (a frame's two pages are on the codec's per-frame path: a few microseconds each)."""
     n = len(payload)
-    lacing = bytes([255] * (n // 255) + [n % 255])
-    page = bytearray(_PAGE_HEADER.pack(b"OggS", 0, flags, granule, serial, seq, 0))
-    page.append(len(lacing))
-    page += lacing
-    page += payload
-    struct.pack_into("<I", page, 22, ogg_crc(page))
-    return bytes(page)
+    full = n // 255
+    lacing = bytes((full + 1,)) + b"\xff" * full + bytes((n - 255 * full,))
+    page = _PAGE_HEADER.pack(b"OggS", 0, flags, granule, serial, seq, 0) + lacing + payload
+    return page[:22] + _CRC.pack(ogg_crc(page)) + page[26:]
 
 
 # --------------------------------------------------------------------------- encoder
@@ -146,6 +154,7 @@ class LibopusEncoder:
             raise RuntimeError("OPUS_GET_LOOKAHEAD failed")
         self.lookahead = lookahead.value  # samples at 24 kHz
         self._out = ctypes.create_string_buffer(_MAX_PACKET)
+        self._encode = LIBOPUS.opus_encode_float
 
     def _ctl(self, request: int, value: int) -> None:
         st = ctypes.c_void_p(self._st)
@@ -154,11 +163,15 @@ class LibopusEncoder:
             raise RuntimeError(f"opus_encoder_ctl({request}, {value}) failed ({rc})")
 
     def encode(self, pcm: np.ndarray) -> bytes:
-        """One packet of exactly PACKET_SAMPLES float32 samples."""
-        n = self._lib.opus_encode_float(self._st, pcm.ctypes.data, PACKET_SAMPLES, self._out, _MAX_PACKET)
+        """One packet of exactly PACKET_SAMPLES contiguous float32 samples."""
+        return self.encode_at(pcm.ctypes.data)
+
+    def encode_at(self, address: int) -> bytes:
+        """One packet of the PACKET_SAMPLES float32 samples at ``address``."""
+        n = self._encode(self._st, address, PACKET_SAMPLES, self._out, _MAX_PACKET)
         if n < 0:
             raise RuntimeError(f"opus_encode_float failed ({n})")
-        return self._out.raw[:n]
+        return ctypes.string_at(self._out, n)  # .raw[:n] would copy all 4000 bytes first
 
     def __del__(self) -> None:
         st, self._st = getattr(self, "_st", None), None
@@ -203,15 +216,19 @@ class LibopusStreamEncoder:
             x = np.concatenate([self._pending, x])
         out = [self._head] if self._head is not None else []
         self._head = None
-        whole = len(x) - len(x) % PACKET_SAMPLES
-        for start in range(0, whole, PACKET_SAMPLES):
-            packet = self._enc.encode(x[start : start + PACKET_SAMPLES])
+        packets = len(x) // PACKET_SAMPLES
+        address, encode_at = x.ctypes.data, self._enc.encode_at
+        for k in range(packets):
+            packet = encode_at(address + 4 * PACKET_SAMPLES * k)
             self._granule += _GRANULE_STEP
-            out.append(self._page(packet, self._granule))
-        self._pending = x[whole:].copy()
+            out.append(ogg_page(packet, self._granule, self.serial, self._seq))
+            self._seq += 1
+        whole = packets * PACKET_SAMPLES
+        self._pending = x[whole:].copy() if whole < len(x) else _NO_SAMPLES
         return b"".join(out)
 
 
+_NO_SAMPLES = np.zeros(0, dtype=np.float32)
 _warned = False
 
 

@@ -7,9 +7,9 @@ int16, G.711 or Ogg/Opus) composed with a streaming resampler when the wire rate
 
 - ``inline`` True: run where called, on the event-loop thread. Pass-through, int16 and
   G.711 (a few microseconds a frame), resampling up to 96 kHz (9-35 us, less than the
-  thread hop it would need), and Opus when no codec process is configured (sphn holds
-  the GIL, so a thread would not run it beside the loop anyway; the libopus encoder,
-  ``libopus.py``, releases it but costs 80-200 us a frame, about a thread hop).
+  thread hop it would need), and Opus when no codec process is configured (libopus
+  through ctypes, ``libopus.py`` and ``opus_reader.py``; it releases the GIL, but its
+  Ogg framing does not, and a thread's CPU would still be the loop process's).
 - ``inline`` False, ``remote`` False: the connection runs it on the codec thread pool.
   Resampling above 96 kHz: soxr releases the GIL and a frame costs over two hops.
 - ``remote`` True: the codec's state lives in a codec worker process; the connection
@@ -29,7 +29,7 @@ import numpy as np
 from duplexserve.codecs import g711, pcm
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
 from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
-from duplexserve.codecs.opus import OpusStreamDecoder
+from duplexserve.codecs.opus_reader import make_opus_decoder
 from duplexserve.codecs.resample import FrameResampler, StreamResampler, runs_inline
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def make_decoder(fmt: AudioFormat, procs: CodecProcesses | None = None) -> Decod
     if fmt.format == "opus":
         if fmt.sample_rate != MODEL_RATE:
             raise FormatError("opus is always 24000 Hz")
-        return procs.opus_decoder() if procs is not None and procs.enabled else OpusStreamDecoder()
+        return procs.opus_decoder() if procs is not None and procs.enabled else make_opus_decoder()  # type: ignore[return-value]
     if fmt.format not in TO_F32:
         raise FormatError(f"input {fmt.format} at {fmt.sample_rate} Hz is not supported")
     return PcmDecoder(fmt)

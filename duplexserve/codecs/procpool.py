@@ -1,13 +1,20 @@
-"""Codec worker processes for codecs that hold the GIL (Opus), driven from the event loop.
+"""Codec worker processes for Opus, driven from the event loop.
 
-sphn keeps the GIL while it encodes, so on a thread it would only take turns with the
-event loop; in a process it runs on another core. Each worker is a child process
-(``worker.py``) behind a Unix socket pair. A session's codec lives in one worker, chosen
-when it opens (the one with the least open cost, ``COST``), and all its requests go there; the
-worker answers in the order it was asked, so replies are matched to waiting futures by
-order alone. On the loop side the requests made in one loop iteration (every session's
-encode after an engine step, say) leave in one ``sendmsg``, and replies are read by a
-reader callback that drains whatever has arrived, so a busy loop reads many per wake-up.
+libopus through ctypes releases the GIL, but the Ogg framing and dispatch around each
+call do not, and a thread's CPU is the loop process's; in a process the whole codec runs
+on another core and the loop pays only the hand-off (docs/codecs.md). Each worker is a
+child process (``worker.py``) behind a Unix socket pair. A session's codec lives in one
+worker, chosen when it opens (the one with the least open cost, ``COST``), and all its
+requests go there; the worker answers in the order it was asked, so replies are matched
+to waiting futures by order alone.
+
+The hand-off is paid per batch, not per frame: paced sessions send at their own moments,
+so a loop iteration often makes one request, and one ``sendmsg``, one worker wake-up and
+one reply read per request cost the loop more than the request itself. Requests wait up
+to ``batch_ms`` (``--codec-batch-ms``, 2 ms) to leave together (at once when 16 have
+gathered, as every session's encode after an engine step does), the worker serves a
+whole batch before it answers in one ``sendmsg``, and a reader callback drains every
+reply that has arrived, resolving their futures in one go.
 
 Wire layout, little-endian: request ``u8 op, u32 codec id, u32 length, payload``;
 reply ``u8 status, u32 length, payload``, one per DECODE or ENCODE request. The payload
@@ -47,6 +54,10 @@ OK, FORMAT_ERROR, FAILED = range(3)
 #: a frame on speech, two decodes) instead of sphn.
 COST = {OP_OPEN_DECODER: 1, OP_OPEN_ENCODER: 2 if LIBOPUS is not None else 8}
 _SOCKET_BUFFER = 4 << 20
+#: How long a request may wait for others to share its sendmsg (and the worker's wake-up
+#: and reply): sessions send at their own times, so per loop iteration there is often one.
+DEFAULT_BATCH_MS = 2.0
+_FULL_BATCH = 32  # buffers (16 requests with payloads): send now, the timer would add only latency
 _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 RECV_SIZE = 256 << 10
 _EMPTY = np.zeros(0, dtype=np.float32)
@@ -59,7 +70,7 @@ class CodecProcessError(RuntimeError):
 class _Worker:
     """The loop's end of one worker process."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch_s: float = 0.0) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for s in (parent, child):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
@@ -77,25 +88,36 @@ class _Worker:
         self.load = 0  # cost units of the codecs open here (COST)
         self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._unsent: collections.deque[bytes] = collections.deque()
-        self._batch: list[bytes | memoryview] = []  # requests of this loop iteration, not yet sent
-        self._rbuf = bytearray()
+        self._batch: list[bytes | memoryview] = []  # requests not yet sent
+        self._batch_s = batch_s
+        self._flush_at: asyncio.Handle | None = None
+        self._rest = b""  # an incomplete reply, from the end of the last recv
         # recv_into one reused buffer: recv(n) would allocate (and, past 128 KiB, mmap) n bytes a call.
         self._chunk = bytearray(RECV_SIZE)
         self._chunk_view = memoryview(self._chunk)
         loop.add_reader(self.fd, self._on_readable)
 
     def request(self, op: int, cid: int, payload: bytes | memoryview = b"") -> None:
-        """Queue a request; every request queued in one loop iteration leaves in one sendmsg."""
+        """Queue a request; all requests queued within ``batch_s`` leave in one sendmsg."""
         if not self.alive:
             raise CodecProcessError("codec worker is gone")
         batch = self._batch
         batch.append(REQUEST.pack(op, cid, len(payload)))
         if payload:
             batch.append(payload)
-        if len(batch) <= 2:
-            self.loop.call_soon(self._flush)
+        flush_at = self._flush_at
+        if flush_at is None:
+            loop = self.loop
+            delay = self._batch_s
+            self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
+        elif len(batch) == _FULL_BATCH and isinstance(flush_at, asyncio.TimerHandle):
+            # Enough to share the wake-ups already (every session's encode after an engine
+            # step): send at the end of this iteration rather than wait out the timer.
+            flush_at.cancel()
+            self._flush_at = self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        self._flush_at = None
         batch, self._batch = self._batch, []
         if not self.alive or not batch:
             return
@@ -150,16 +172,16 @@ class _Worker:
         if not n:
             self._fail(CodecProcessError(f"codec worker exited ({self.proc.poll()})"))
             return
-        buf = self._rbuf
-        buf += self._chunk_view[:n]
-        pos, end, hdr = 0, len(buf), REPLY.size
+        data = self._rest + self._chunk_view[:n] if self._rest else bytes(self._chunk_view[:n])
+        pos, end, hdr, unpack = 0, len(data), REPLY.size, REPLY.unpack_from
         waiting = self._waiting
         while end - pos >= hdr:
-            status, length = REPLY.unpack_from(buf, pos)
-            if end - pos - hdr < length:
+            status, length = unpack(data, pos)
+            start = pos + hdr
+            if end - start < length:
                 break
-            body = bytes(buf[pos + hdr : pos + hdr + length])
-            pos += hdr + length
+            pos = start + length
+            body = data[start:pos]
             future = waiting.popleft()
             if future.done():  # its session stopped waiting
                 continue
@@ -169,7 +191,7 @@ class _Worker:
                 future.set_exception(FormatError(body.decode(errors="replace")))
             else:
                 future.set_exception(CodecProcessError(body.decode(errors="replace")))
-        del buf[:pos]
+        self._rest = data[pos:] if pos < end else b""
 
     def _fail(self, exc: CodecProcessError) -> None:
         if not self.alive:
@@ -203,8 +225,10 @@ class CodecProcesses:
     """Up to ``size`` worker processes, started on first use (a server without Opus
     sessions never starts one); a worker that died is replaced for new sessions."""
 
-    def __init__(self, size: int, opus_complexity: int = DEFAULT_COMPLEXITY) -> None:
+    def __init__(self, size: int, opus_complexity: int = DEFAULT_COMPLEXITY,
+                 batch_ms: float = DEFAULT_BATCH_MS) -> None:
         self.size = size
+        self.batch_s = batch_ms / 1000
         self.opus_complexity = opus_complexity  # libopus encoders, here or inline (pipeline.py)
         self._workers: list[_Worker] = []
         self._next_id = 0
@@ -224,7 +248,7 @@ class CodecProcesses:
     def _pick(self) -> _Worker:
         self._workers = [w for w in self._workers if w.alive]
         if len(self._workers) < self.size:
-            worker = _Worker(asyncio.get_running_loop())
+            worker = _Worker(asyncio.get_running_loop(), self.batch_s)
             self._workers.append(worker)
             return worker
         return min(self._workers, key=lambda w: w.load)

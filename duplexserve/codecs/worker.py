@@ -5,6 +5,11 @@ with one end of a Unix socket pair. Requests and replies are length-prefixed fra
 (layout in ``procpool.py``); requests are served strictly in the order received, so a
 session's frames stay in order and its codec is only ever used by this one thread.
 The process ends when the server closes its end of the socket.
+
+Every request that one ``recv`` brings (the loop sends a batch of many sessions' work at
+once) is served before the replies leave in one ``sendmsg``, so the loop wakes once per
+batch, not once per frame; only a batch longer than ``_FLUSH_AFTER_S`` of work answers
+in parts, so that the first sessions of a large batch do not wait for the last.
 """
 
 from __future__ import annotations
@@ -13,72 +18,88 @@ import contextlib
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from duplexserve.codecs import procpool as pp
 from duplexserve.codecs.formats import FormatError
-from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, LibopusStreamEncoder, make_opus_encoder
-from duplexserve.codecs.opus import OpusStreamDecoder, OpusStreamEncoder
+from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
+from duplexserve.codecs.opus_reader import make_opus_decoder
 
-_FLUSH_AFTER_S = 0.001
+_FLUSH_AFTER_S = 0.004
+_MAX_IOV = 512
+
+#: codec id -> (the op it serves, the call that turns a request payload into a reply body)
+Handlers = dict[int, tuple[int, Callable[[memoryview], bytes]]]
 
 
 def serve(sock: socket.socket) -> None:
-    codecs: dict[int, OpusStreamDecoder | OpusStreamEncoder | LibopusStreamEncoder] = {}
-    buf = bytearray()
-    hdr = pp.REQUEST.size
+    handlers: Handlers = {}
+    rest = b""  # an incomplete request, from the end of the last recv
+    hdr, unpack = pp.REQUEST.size, pp.REQUEST.unpack_from
     chunk = bytearray(pp.RECV_SIZE)  # reused: recv(n) would allocate n bytes a call
     view = memoryview(chunk)
+    clock = time.perf_counter
     while True:
         n = sock.recv_into(chunk)
         if not n:
             return
-        buf += view[:n]
-        pos = 0
+        data = rest + view[:n] if rest else bytes(view[:n])
+        mv = memoryview(data)  # immutable bytes: payload views need no copy
+        pos, end = 0, len(data)
         replies: list[bytes] = []
-        since = time.perf_counter()
-        while len(buf) - pos >= hdr:
-            op, cid, length = pp.REQUEST.unpack_from(buf, pos)
-            if len(buf) - pos - hdr < length:
+        since = clock()
+        while end - pos >= hdr:
+            op, cid, length = unpack(data, pos)
+            start = pos + hdr
+            if end - start < length:
                 break
-            payload = bytes(buf[pos + hdr : pos + hdr + length])
-            pos += hdr + length
-            reply = _handle(codecs, op, cid, payload)
+            pos = start + length
+            reply = _handle(handlers, op, cid, mv[start:pos])
             if reply is not None:
-                status, body = reply
-                replies += (pp.REPLY.pack(status, len(body)), body)
-                # Answer in batches (fewer wake-ups of the loop), but never hold a reply
-                # back for more than about a millisecond of work.
-                if time.perf_counter() - since > _FLUSH_AFTER_S:
-                    sock.sendall(b"".join(replies))
-                    replies, since = [], time.perf_counter()
+                replies += reply
+                if len(replies) >= _MAX_IOV or clock() - since > _FLUSH_AFTER_S:
+                    _send(sock, replies)
+                    replies, since = [], clock()
         if replies:
-            sock.sendall(b"".join(replies))
-        del buf[:pos]
+            _send(sock, replies)
+        rest = data[pos:] if pos < end else b""
 
 
-def _handle(codecs: dict, op: int, cid: int, payload: bytes) -> tuple[int, bytes] | None:
+def _send(sock: socket.socket, buffers: list[bytes]) -> None:
+    sent, total = sock.sendmsg(buffers), sum(len(b) for b in buffers)
+    if sent < total:
+        sock.sendall(b"".join(buffers)[sent:])
+
+
+def _handle(handlers: Handlers, op: int, cid: int, payload: memoryview) -> tuple[bytes, bytes] | None:
+    entry = handlers.get(cid)
+    if entry is not None and entry[0] == op:
+        try:
+            body = entry[1](payload)
+            return pp.REPLY.pack(pp.OK, len(body)), body
+        except FormatError as exc:
+            return _error(pp.FORMAT_ERROR, str(exc))
+        except Exception as exc:  # one session's failure, reported to it
+            return _error(pp.FAILED, f"{type(exc).__name__}: {exc}")
     if op == pp.OP_OPEN_DECODER:
-        codecs[cid] = OpusStreamDecoder()
+        decoder = make_opus_decoder()
+        handlers[cid] = (pp.OP_DECODE, lambda p: decoder.decode(p).tobytes())  # type: ignore[attr-defined]
         return None
     if op == pp.OP_OPEN_ENCODER:
-        codecs[cid] = make_opus_encoder(payload[0] if payload else DEFAULT_COMPLEXITY)
+        encoder = make_opus_encoder(payload[0] if len(payload) else DEFAULT_COMPLEXITY)
+        handlers[cid] = (pp.OP_ENCODE, lambda p: encoder.encode(np.frombuffer(p, dtype=np.float32)))  # type: ignore[attr-defined]
         return None
     if op == pp.OP_CLOSE:
-        codecs.pop(cid, None)
+        handlers.pop(cid, None)
         return None
-    codec = codecs.get(cid)
-    try:
-        if op == pp.OP_DECODE and isinstance(codec, OpusStreamDecoder):
-            return pp.OK, codec.decode(payload).tobytes()
-        if op == pp.OP_ENCODE and isinstance(codec, (OpusStreamEncoder, LibopusStreamEncoder)):
-            return pp.OK, codec.encode(np.frombuffer(payload, dtype=np.float32))
-        return pp.FAILED, f"no codec {cid} for operation {op}".encode()
-    except FormatError as exc:
-        return pp.FORMAT_ERROR, str(exc).encode()
-    except Exception as exc:  # one session's failure, reported to it
-        return pp.FAILED, f"{type(exc).__name__}: {exc}".encode()
+    return _error(pp.FAILED, f"no codec {cid} for operation {op}")
+
+
+def _error(status: int, message: str) -> tuple[bytes, bytes]:
+    body = message.encode()
+    return pp.REPLY.pack(status, len(body)), body
 
 
 def main() -> None:

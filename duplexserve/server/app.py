@@ -61,7 +61,9 @@ class DuplexApp:
         self.metrics = Metrics(self.orchestrator)
         self.orchestrator.on_step = self.metrics.observe_step
         self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
-        self.codec_procs = CodecProcesses(config.codec_processes, config.opus_complexity)
+        self.codec_procs = CodecProcesses(
+            config.codec_processes, config.opus_complexity, config.codec_batch_ms
+        )
         self.metrics.registry.register(CodecProcessesCollector(self.codec_procs.cpu_seconds))
         self.metrics.registry.register(TwilioCollector())
         self.http = self._http_app()
