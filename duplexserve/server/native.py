@@ -7,23 +7,51 @@ answer leaves as one ``tobytes()`` per frame.
 
 from __future__ import annotations
 
+import collections
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_MS, AudioFormat, FormatError
-from duplexserve.codecs.pipeline import make_decoder, make_encoder
+from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
 from duplexserve.errors import SessionError
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.resume import Resumable
 from duplexserve.server.session import State
+
+OPUS = "opus"
+
+
+@dataclass
+class Carry:
+    """What a resumed session takes from its old connection: formats, codecs, replay.
+
+    ``sent_audio`` holds (index, payload) of the last output frames handed to a socket:
+    the bytes as sent, or for Opus the model audio (each connection is its own Ogg
+    stream, so a replayed Opus frame is encoded again by the new stream's encoder).
+    ``sent_text`` holds the text deltas of those frames.
+    """
+
+    input_format: AudioFormat
+    output_format: AudioFormat
+    decoder: Decoder
+    encoder: Encoder
+    sent_audio: collections.deque[tuple[int, Any]]
+    sent_text: collections.deque[tuple[int, str]]
 
 
 class NativeConnection(Connection):
     protocol = "duplex/1"
+    _resumable: Resumable | None = None
+    _sent_audio: collections.deque[tuple[int, Any]] | None = None
+    _sent_text: collections.deque[tuple[int, str]] | None = None
 
     async def handshake(self) -> bool:
         q = self.query
+        if "resume" in q:
+            return await self._resume(q["resume"], q.get("last_frame", ""))
         try:
             self._set_formats(
                 AudioFormat.parse(q.get("input_format"), q.get("input_sample_rate")),
@@ -34,9 +62,99 @@ class NativeConnection(Connection):
             return False
         if not await self.open_session():
             return False
+        created = self._describe("session.created")
+        registry = self.orch.resume
+        if registry.enabled:
+            assert self.session is not None
+            keep = self.config.max_output_frames
+            self._sent_audio, self._sent_text = collections.deque(maxlen=keep), collections.deque(maxlen=keep)
+            self._resumable = registry.issue(self.session, self)
+            created["resume"] = {"token": self._resumable.token, "grace_s": registry.grace_s}
         await self.accept()
-        await self.send_json(self._describe("session.created"))
+        await self.send_json(created)
         return True
+
+    # -------------------------------------------------------------------- resume
+    def carry(self) -> Carry:
+        assert self.decoder is not None and self.encoder is not None
+        assert self._sent_audio is not None and self._sent_text is not None
+        return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
+                     self._sent_audio, self._sent_text)
+
+    def lost(self, session: Any) -> bool:
+        entry = self._resumable
+        if entry is not None and entry.owner is self:
+            entry.state = self.carry()
+        return self.orch.detach(session)
+
+    async def _resume(self, token: str, last_frame: str) -> bool:
+        """``?resume=<token>&last_frame=<k>``: take a detached (or half-open) session over."""
+        registry = self.orch.resume
+        entry = registry.peek(token) if registry.enabled else None
+        if entry is None:
+            registry.refuse()
+            await self.refuse(errors.POLICY, "resume_failed", "unknown, used or expired resume token")
+            return False
+        session = entry.session
+        try:
+            k = int(last_frame)
+        except ValueError:
+            k = -2
+        if not -1 <= k <= session.frames_out - 1:
+            registry.refuse()
+            await self.refuse(errors.POLICY, "resume_failed",
+                              f"last_frame must be -1 to {session.frames_out - 1}")
+            return False
+        old = entry.owner
+        carry: Carry = old.carry() if old is not None else entry.state
+        registry.claim(token)
+        if old is not None:
+            old.take_over()  # a half-open connection: it says session.closed "replaced"
+        self.input_format, self.output_format = carry.input_format, carry.output_format
+        # Each connection is its own Ogg stream both ways; resamplers keep their state.
+        self.decoder = make_decoder(carry.input_format, self.codec_procs) \
+            if carry.input_format.format == OPUS else carry.decoder
+        self.encoder = make_encoder(carry.output_format, self.codec_procs) \
+            if carry.output_format.format == OPUS else carry.encoder
+        self._sent_audio, self._sent_text = carry.sent_audio, carry.sent_text
+        self.session, self._resumable = session, entry
+        session.drop_partial()
+        session.last_activity = self._loop.time()
+        token = registry.attach(entry, self)
+        replay = [(i, payload) for i, payload in carry.sent_audio if i > k]
+        unsent = session.frames_out - (replay[-1][0] + 1 if replay else k + 1)
+        replayed = len(replay) + max(unsent, 0)
+        resumed = self._describe("session.resumed")
+        del resumed["protocol"], resumed["model"], resumed["engine"], resumed["frame_ms"]
+        resumed.update({
+            "frames_in": session.frames_in,
+            "frames_out": session.frames_out,
+            "replayed": replayed,
+            "frames_lost": session.frames_out - (k + 1) - replayed,
+            "resume": {"token": token, "grace_s": registry.grace_s},
+        })
+        await self.accept()
+        await self.send_json(resumed)
+        texts = [(i, t) for i, t in carry.sent_text if i > k]
+        t = 0
+        for index, payload in replay:
+            if self.output_format.format == OPUS:
+                payload = await self.encode(payload)
+            await self.send_bytes(payload)
+            while t < len(texts) and texts[t][0] <= index:
+                if texts[t][0] == index:
+                    await self.send_json({"type": "text.delta", "frame": index, "text": texts[t][1]})
+                t += 1
+        return True
+
+    async def send_replaced(self) -> None:
+        session = self.session
+        assert session is not None
+        await self.send_json({
+            "type": "session.closed", "reason": "replaced",
+            "frames_in": session.frames_in, "frames_out": session.frames_out, "frames_dropped": 0,
+        })
+        await self.close(errors.NORMAL, "replaced")
 
     def _set_formats(self, inp: AudioFormat, out: AudioFormat) -> None:
         decoder, encoder = make_decoder(inp, self.codec_procs), make_encoder(out, self.codec_procs)
@@ -131,8 +249,19 @@ class NativeConnection(Connection):
     async def render(self, item: Outgoing) -> None:
         cls = item.__class__
         if cls is AudioOut:
-            await self.send_bytes(await self.encode(item.audio))
+            sent = self._sent_audio
+            if sent is None:
+                await self.send_bytes(await self.encode(item.audio))
+            elif self.output_format.format == OPUS:  # kept before the send: a broken send is replayed
+                sent.append((item.index, item.audio))
+                await self.send_bytes(await self.encode(item.audio))
+            else:
+                data = await self.encode(item.audio)
+                sent.append((item.index, data))
+                await self.send_bytes(data)
         elif cls is TextOut:
+            if self._sent_text is not None:
+                self._sent_text.append((item.index, item.text))
             await self.send_json({"type": "text.delta", "frame": item.index, "text": item.text})
         elif cls is Notice:
             await self.send_json(item.payload)
@@ -145,4 +274,11 @@ class NativeConnection(Connection):
                 "frames_in": item.frames_in,
                 "frames_out": item.frames_out,
                 "frames_dropped": item.frames_dropped,
+                **self._deadlines(),
             })
+
+    def _deadlines(self) -> dict[str, Any]:
+        timer = self.session.timer if self.session is not None else None
+        if timer is None:
+            return {}
+        return {"turnaround_ms": timer.summary(), "late_frames": timer.late}
