@@ -11,10 +11,12 @@ import collections
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 from duplexserve import errors
-from duplexserve.codecs.formats import FRAME_MS, AudioFormat, FormatError
+from duplexserve.codecs.formats import FRAME_MS, SAMPLE_BYTES, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
+from duplexserve.codecs.resample import frame_samples_total
 from duplexserve.errors import SessionError
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
@@ -40,6 +42,7 @@ class Carry:
     encoder: Encoder
     sent_audio: collections.deque[tuple[int, Any]]
     sent_text: collections.deque[tuple[int, str]]
+    wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
 
 
 class NativeConnection(Connection):
@@ -47,11 +50,17 @@ class NativeConnection(Connection):
     _resumable: Resumable | None = None
     _sent_audio: collections.deque[tuple[int, Any]] | None = None
     _sent_text: collections.deque[tuple[int, str]] | None = None
+    #: Input bytes fed to the decoder (PCM and G.711): after a resume, the client sends
+    #: again from input frame ``frames_in``; the bytes the decoder already took are skipped,
+    #: so its resampler and the session's partial frame go on as if nothing happened.
+    _wire_bytes = 0
+    _skip_bytes = 0
 
     async def handshake(self) -> bool:
         q = self.query
-        if "resume" in q:
-            return await self._resume(q["resume"], q.get("last_frame", ""))
+        raw = dict(parse_qsl(self.scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
+        if "resume" in raw:  # an empty token is a bad token, not a new session
+            return await self._resume(raw["resume"], raw.get("last_frame", ""))
         try:
             self._set_formats(
                 AudioFormat.parse(q.get("input_format"), q.get("input_sample_rate")),
@@ -79,7 +88,7 @@ class NativeConnection(Connection):
         assert self.decoder is not None and self.encoder is not None
         assert self._sent_audio is not None and self._sent_text is not None
         return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
-                     self._sent_audio, self._sent_text)
+                     self._sent_audio, self._sent_text, self._wire_bytes)
 
     def lost(self, session: Any) -> bool:
         entry = self._resumable
@@ -118,7 +127,13 @@ class NativeConnection(Connection):
             if carry.output_format.format == OPUS else carry.encoder
         self._sent_audio, self._sent_text = carry.sent_audio, carry.sent_text
         self.session, self._resumable = session, entry
-        session.drop_partial()
+        if carry.input_format.format == OPUS:
+            session.drop_partial()  # the new Ogg stream starts at input frame frames_in
+        else:
+            width = SAMPLE_BYTES[carry.input_format.format]
+            taken = frame_samples_total(session.frames_in, carry.input_format.sample_rate) * width
+            self._wire_bytes = carry.wire_bytes
+            self._skip_bytes = max(carry.wire_bytes - taken, 0)
         session.last_activity = self._loop.time()
         token = registry.attach(entry, self)
         replay = [(i, payload) for i, payload in carry.sent_audio if i > k]
@@ -178,6 +193,13 @@ class NativeConnection(Connection):
     async def on_binary(self, data: bytes) -> None:
         decoder = self.decoder
         assert decoder is not None and self.session is not None
+        if self._skip_bytes:  # sent again after a resume, already decoded
+            skip = min(self._skip_bytes, len(data))
+            self._skip_bytes -= skip
+            data = data[skip:]
+            if not data:
+                return
+        self._wire_bytes += len(data)
         try:
             if decoder.inline and self.inline_ok:  # no await on the hot path
                 self.session.receive_audio(decoder.decode(data))
