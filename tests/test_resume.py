@@ -147,7 +147,7 @@ def test_last_frame_out_of_range_is_refused_and_keeps_the_token(echo_server, las
 
 
 def test_expiry_frees_the_slot_and_the_token(server_factory):
-    server = server_factory("--max-sessions", "1", "--resume-grace-s", "1")
+    server = server_factory("--max-sessions", "1", "--resume-grace-s", "3")
 
     async def go() -> None:
         _, chunks = f32_chunks(10, 16)
@@ -156,7 +156,9 @@ def test_expiry_frees_the_slot_and_the_token(server_factory):
         await client.send(5)
         await client.wait_frames(5)
         client.drop()
-        wait_until(lambda: server.metrics()["duplexserve_sessions_detached"] == 1, "the detach")
+        await asyncio.to_thread(
+            wait_until, lambda: server.metrics()["duplexserve_sessions_detached"] == 1, "the detach"
+        )
         first, code = await refused(server.ws())  # the detached session holds the only slot
         assert first["code"] == "server_unavailable" and code == 1013
         await asyncio.to_thread(
