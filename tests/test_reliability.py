@@ -131,7 +131,8 @@ def test_a_client_that_stops_reading_is_closed_and_others_are_served(server_fact
 
 
 def test_disconnect_storm_leaks_no_session(server_factory):
-    server = server_factory("--max-sessions", "300")
+    # Cut connections detach their sessions for a resume: a short grace lets them expire.
+    server = server_factory("--max-sessions", "300", "--resume-grace-s", "2")
     rng = random.Random(7)
 
     async def victim(i: int) -> None:
