@@ -190,6 +190,8 @@ def test_sessions_per_client_address_are_limited(server_factory):
         b = await websockets.connect(server.ws(), compression=None)
         await a.recv(), await b.recv()
         third = await open_close_code(server.ws())
+        for ws in (a, b):  # session.close: a bare WebSocket close would detach them for a resume
+            await ws.send(json.dumps({"type": "session.close"}))
         await a.close(), await b.close()
         await asyncio.sleep(0.2)
         return third, await echo_ok(server.ws())
