@@ -148,19 +148,25 @@ class NativeConnection(Connection):
             "frames_lost": session.frames_out - (k + 1) - replayed,
             "resume": {"token": token, "grace_s": registry.grace_s},
         })
-        await self.accept()
-        await self.send_json(resumed)
-        texts = [(i, t) for i, t in carry.sent_text if i > k]
+        try:
+            await self.accept()
+            await self.send_json(resumed)
+            await self._replay(replay, [(i, t) for i, t in carry.sent_text if i > k])
+        except (OSError, RuntimeError):  # gone again before the replay was out: detach again
+            self.lost(session)
+            return False
+        return True
+
+    async def _replay(self, audio: list[tuple[int, Any]], texts: list[tuple[int, str]]) -> None:
+        """Send again the frames after ``last_frame`` that were handed to the old socket."""
         t = 0
-        for index, payload in replay:
-            if self.output_format.format == OPUS:
-                payload = await self.encode(payload)
-            await self.send_bytes(payload)
+        for index, payload in audio:
+            data = await self.encode(payload) if self.output_format.format == OPUS else payload
+            await self.send_bytes(data)
             while t < len(texts) and texts[t][0] <= index:
                 if texts[t][0] == index:
                     await self.send_json({"type": "text.delta", "frame": index, "text": texts[t][1]})
                 t += 1
-        return True
 
     async def send_replaced(self) -> None:
         session = self.session
