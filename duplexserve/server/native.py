@@ -13,13 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
+import numpy as np
+
 from duplexserve import errors
-from duplexserve.codecs.formats import FRAME_MS, SAMPLE_BYTES, AudioFormat, FormatError
+from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, SAMPLE_BYTES, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
 from duplexserve.codecs.resample import frame_samples_total
 from duplexserve.errors import SessionError
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.replay import ReplayRing
 from duplexserve.server.resume import Resumable
 from duplexserve.server.session import State
 
@@ -30,17 +33,17 @@ OPUS = "opus"
 class Carry:
     """What a resumed session takes from its old connection: formats, codecs, replay.
 
-    ``sent_audio`` holds (index, payload) of the last output frames handed to a socket:
-    the bytes as sent, or for Opus the model audio (each connection is its own Ogg
-    stream, so a replayed Opus frame is encoded again by the new stream's encoder).
-    ``sent_text`` holds the text deltas of those frames.
+    ``sent_audio`` holds the last output frames handed to a socket: the bytes as sent,
+    or for Opus the model audio (each connection is its own Ogg stream, so a replayed
+    Opus frame is encoded again by the new stream's encoder). ``sent_text`` holds the
+    text deltas of those frames.
     """
 
     input_format: AudioFormat
     output_format: AudioFormat
     decoder: Decoder
     encoder: Encoder
-    sent_audio: collections.deque[tuple[int, Any]]
+    sent_audio: ReplayRing
     sent_text: collections.deque[tuple[int, str]]
     wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
 
@@ -48,7 +51,7 @@ class Carry:
 class NativeConnection(Connection):
     protocol = "duplex/1"
     _resumable: Resumable | None = None
-    _sent_audio: collections.deque[tuple[int, Any]] | None = None
+    _sent_audio: ReplayRing | None = None
     _sent_text: collections.deque[tuple[int, str]] | None = None
     #: Input bytes fed to the decoder (PCM and G.711): after a resume, the client sends
     #: again from input frame ``frames_in``; the bytes the decoder already took are skipped,
@@ -75,8 +78,8 @@ class NativeConnection(Connection):
         registry = self.orch.resume
         if registry.enabled:
             assert self.session is not None
-            keep = self.config.max_output_frames
-            self._sent_audio, self._sent_text = collections.deque(maxlen=keep), collections.deque(maxlen=keep)
+            self._sent_text = collections.deque(maxlen=self.config.max_output_frames)
+            self._new_ring()
             self._resumable = registry.issue(self.session, self)
             created["resume"] = {"token": self._resumable.token, "grace_s": registry.grace_s}
         await self.accept()
@@ -136,7 +139,7 @@ class NativeConnection(Connection):
             self._skip_bytes = max(carry.wire_bytes - taken, 0)
         session.last_activity = self._loop.time()
         token = registry.attach(entry, self)
-        replay = [(i, payload) for i, payload in carry.sent_audio if i > k]
+        replay = carry.sent_audio.after(k)
         unsent = session.frames_out - (replay[-1][0] + 1 if replay else k + 1)
         replayed = len(replay) + max(unsent, 0)
         resumed = self._describe("session.resumed")
@@ -161,7 +164,10 @@ class NativeConnection(Connection):
         """Send again the frames after ``last_frame`` that were handed to the old socket."""
         t = 0
         for index, payload in audio:
-            data = await self.encode(payload) if self.output_format.format == OPUS else payload
+            if self.output_format.format == OPUS:
+                data = await self.encode(np.frombuffer(payload, dtype=np.float32))
+            else:
+                data = payload
             await self.send_bytes(data)
             while t < len(texts) and texts[t][0] <= index:
                 if texts[t][0] == index:
@@ -181,6 +187,14 @@ class NativeConnection(Connection):
         decoder, encoder = make_decoder(inp, self.codec_procs), make_encoder(out, self.codec_procs)
         self.input_format, self.output_format = inp, out
         self.decoder, self.encoder = decoder, encoder
+        if self._sent_audio is not None:
+            self._new_ring()
+
+    def _new_ring(self) -> None:
+        """Replay storage sized for the output format: wire bytes, or model audio for Opus."""
+        out = self.output_format
+        width = FRAME_SAMPLES * 4 if out.format == OPUS else SAMPLE_BYTES[out.format] * out.frame_samples
+        self._sent_audio = ReplayRing(self.config.max_output_frames, width)
 
     def _describe(self, kind: str) -> dict[str, Any]:
         assert self.session is not None
@@ -281,11 +295,12 @@ class NativeConnection(Connection):
             if sent is None:
                 await self.send_bytes(await self.encode(item.audio))
             elif self.output_format.format == OPUS:  # kept before the send: a broken send is replayed
-                sent.append((item.index, item.audio))
-                await self.send_bytes(await self.encode(item.audio))
+                audio = np.ascontiguousarray(item.audio, dtype=np.float32)
+                sent.add(item.index, memoryview(audio).cast("B"))
+                await self.send_bytes(await self.encode(audio))
             else:
                 data = await self.encode(item.audio)
-                sent.append((item.index, data))
+                sent.add(item.index, data)
                 await self.send_bytes(data)
         elif cls is TextOut:
             if self._sent_text is not None:
