@@ -29,7 +29,7 @@ def test_timer_pairs_each_output_frame_with_the_message_that_carried_its_input()
     assert timer.late == totals.late == 2  # 0.4 and 0.3 are over 0.2
     assert np.isclose(totals.sum_s, expected.sum())
     assert summary["max"] == 400.0
-    assert abs(summary["p50"] - 50.0) <= 1.0  # within the 1 % bins
+    assert summary["p50"] == 75.0  # the median of 10, 20, 50, 100, 300, 400 ms
     assert totals.buckets.sum() == 6
 
 
@@ -41,7 +41,7 @@ def test_timer_flushes_in_bulk_and_forgets_what_it_timed():
         timer.arrived(i + 1, float(i))
         timer.sent(i, i + 0.05)
     assert totals.count == FLUSH_FRAMES * 3  # three bulk flushes, nothing per frame
-    assert len(timer._arrivals) <= 6
+    assert len(timer._arrivals) <= 2
     timer.flush()
     assert totals.count == n and totals.late == 0
 

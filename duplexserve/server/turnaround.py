@@ -3,25 +3,25 @@
 Turnaround of output frame *i* = the moment the output frame was handed to the socket
 minus the moment the message carrying input frame *i* was received (PROTOCOL.md, "How
 late the server answers"). The hot path pays one clock read and one list append per
-output frame and one tuple append per input message that completed a frame; the
-arithmetic, the histogram buckets and the late count are done with numpy every
-:data:`FLUSH_FRAMES` frames (and at the session's end), never a metrics call per frame.
+output frame, its pairing with the input message (a few list operations) and one tuple
+append per input message that completed a frame; the histogram buckets, the sums and
+the late count are done with numpy every :data:`FLUSH_FRAMES` frames of a session (and
+at its end), never a metrics call per frame.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 #: Bucket bounds of ``duplexserve_frame_turnaround_seconds`` (upper edges, seconds).
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
-FLUSH_FRAMES = 256
-#: Per-session percentiles: log-spaced bins 1 % apart from 10 us to 1000 s.
-_FINE_LO, _FINE_STEP = math.log(1e-5), math.log(1.01)
-_FINE_BINS = int((math.log(1e3) - _FINE_LO) / _FINE_STEP) + 2
+FLUSH_FRAMES = 512
+#: Per-session turnarounds kept for p50 / p99 (float32); past this many values, every
+#: other one is dropped: a uniform subsample keeps the percentiles, memory stays bounded.
+KEEP_VALUES = 16384
 _BUCKET_EDGES = np.array(BUCKETS)
 
 
@@ -40,18 +40,21 @@ class FrameTimer:
     """One session's input arrival times and output hand-over times.
 
     ``arrived`` is fed by the session core with the receive time the adapter stamped on
-    the message; ``sent`` by the connection's writer. Output frames are timed the first
-    time they reach a socket: a frame sent again after a resume is not timed twice.
+    the message; ``sent`` by the connection's writer, which pairs the frame with the
+    message that carried its input (a popleft now and then: messages arrive in order).
+    Output frames are timed the first time they reach a socket: a frame sent again after
+    a resume is not timed twice.
     """
 
-    __slots__ = ("_arrivals", "_fine", "_first", "_sent", "_totals", "count", "late", "max_s")
+    __slots__ = ("_arrivals", "_kept", "_kept_n", "_next", "_totals", "_turns", "count", "late", "max_s")
 
     def __init__(self, totals: TurnaroundTotals) -> None:
         self._arrivals: collections.deque[tuple[int, float]] = collections.deque()
-        self._sent: list[float] = []
-        self._first = 0  # output index of _sent[0]
+        self._turns: list[float] = []
+        self._next = 0  # the next output index to time
         self._totals = totals
-        self._fine: np.ndarray | None = None
+        self._kept: list[np.ndarray] = []
+        self._kept_n = 0
         self.max_s = 0.0
         self.count = 0
         self.late = 0
@@ -62,64 +65,47 @@ class FrameTimer:
 
     def sent(self, index: int, t: float) -> None:
         """Output frame ``index`` was handed to the socket at ``t``."""
-        sent = self._sent
-        expected = self._first + len(sent)
-        if index != expected:
-            if index < expected:
-                return  # sent again after a resume: timed the first time
-            self.flush()  # a frame never handed over (lost across a resume): skip it
-            self._first = index
-        sent.append(t)
-        if len(sent) >= FLUSH_FRAMES:
+        if index < self._next:
+            return  # sent again after a resume: timed the first time
+        self._next = index + 1
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= index:
+            arrivals.popleft()
+        if not arrivals:  # cannot happen: an answer without its input
+            return
+        turns = self._turns
+        turns.append(t - arrivals[0][1])
+        if len(turns) >= FLUSH_FRAMES:
             self.flush()
 
     def flush(self) -> None:
-        sent = self._sent
-        if not sent:
+        """Fold the frames timed since the last flush into the totals, with numpy."""
+        turns = self._turns
+        if not turns:
             return
-        n, first = len(sent), self._first
-        arrivals = self._arrivals
-        ends = np.fromiter((a[0] for a in arrivals), dtype=np.int64, count=len(arrivals))
-        times = np.fromiter((a[1] for a in arrivals), dtype=np.float64, count=len(arrivals))
-        if not len(ends):  # cannot happen: an answer without its input
-            sent.clear()
-            self._first += n
-            return
-        which = np.searchsorted(ends, np.arange(first, first + n), side="right")
-        which = np.minimum(which, len(ends) - 1)
-        turn = np.maximum(np.asarray(sent) - times[which], 0.0)
+        turn = np.array(turns)
+        turns.clear()
+        n = len(turn)
         totals = self._totals
         totals.buckets += np.bincount(np.searchsorted(_BUCKET_EDGES, turn), minlength=len(BUCKETS) + 1)
-        total = float(turn.sum())
-        late = int((turn > totals.late_s).sum())
-        totals.sum_s += total
+        late = int(np.count_nonzero(turn > totals.late_s))
+        totals.sum_s += float(turn.sum())
         totals.count += n
         totals.late += late
-        if self._fine is None:
-            self._fine = np.zeros(_FINE_BINS, dtype=np.int64)
-        bins = np.clip(((np.log(np.maximum(turn, 1e-5)) - _FINE_LO) / _FINE_STEP).astype(np.int64),
-                       0, _FINE_BINS - 1)
-        self._fine += np.bincount(bins, minlength=_FINE_BINS)
         self.max_s = max(self.max_s, float(turn.max()))
         self.count += n
         self.late += late
-        self._first += n
-        sent.clear()
-        last = self._first
-        while arrivals and arrivals[0][0] <= last:  # every frame of it is timed
-            arrivals.popleft()
+        self._kept.append(turn.astype(np.float32))
+        self._kept_n += n
+        if self._kept_n > KEEP_VALUES:
+            every = np.concatenate(self._kept)[::2]
+            self._kept, self._kept_n = [every], len(every)
 
     def summary(self) -> dict[str, float]:
-        """``turnaround_ms`` of ``session.closed``: p50 and p99 within 1 %, max exact."""
+        """``turnaround_ms`` of ``session.closed``: p50 and p99 of the kept values, max exact."""
         self.flush()
-        fine = self._fine
-        if fine is None or not self.count:
+        if not self._kept:
             return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-        cum = np.cumsum(fine)
-
-        def pct(q: float) -> float:
-            b = int(np.searchsorted(cum, q * self.count))
-            upper = math.exp(_FINE_LO + (b + 1) * _FINE_STEP)
-            return round(min(upper, self.max_s) * 1000.0, 2)
-
-        return {"p50": pct(0.5), "p99": pct(0.99), "max": round(self.max_s * 1000.0, 2)}
+        p50, p99 = np.percentile(np.concatenate(self._kept), (50, 99))
+        return {"p50": round(float(p50) * 1000.0, 2), "p99": round(float(p99) * 1000.0, 2),
+                "max": round(self.max_s * 1000.0, 2)}
