@@ -163,12 +163,15 @@ class NativeConnection(Connection):
     async def _replay(self, audio: list[tuple[int, Any]], texts: list[tuple[int, str]]) -> None:
         """Send again the frames after ``last_frame`` that were handed to the old socket."""
         t = 0
+        timer = self.session.timer if self.session is not None else None
         for index, payload in audio:
             if self.output_format.format == OPUS:
                 data = await self.encode(np.frombuffer(payload, dtype=np.float32))
             else:
                 data = payload
             await self.send_bytes(data)
+            if timer is not None:  # a frame whose first send broke is timed now, gap included
+                timer.sent(index, self._loop.time())
             while t < len(texts) and texts[t][0] <= index:
                 if texts[t][0] == index:
                     await self.send_json({"type": "text.delta", "frame": index, "text": texts[t][1]})
