@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import websockets
 
+from duplexserve.server.resume import ResumeRegistry
+from duplexserve.server.session import Limits, Session
 from tests.native_client import converse
 from tests.native_client import signal as noise
 from tests.resume_client import ResumingClient
@@ -341,3 +343,25 @@ def test_sixty_four_sessions_drop_and_resume_while_others_stream(server_factory)
     assert metrics['duplexserve_session_resumes_total{outcome="resumed"}'] == 64
     assert metrics["duplexserve_sessions_active"] == 0
     assert np.isclose(metrics["duplexserve_frames_dropped_total"], 0)
+
+
+def test_registry_tokens_are_single_use_and_die_with_the_session():
+    """The token registry alone, without sockets (server/resume.py)."""
+    expired: list[Session] = []
+    registry = ResumeRegistry(30.0, expired.append)
+    session = Session("s", 0, 1, Limits())
+    entry = registry.issue(session, owner="conn-1")
+    first = entry.token
+    assert len(first) >= 32 and registry.peek(first) is entry
+    loop = asyncio.new_event_loop()
+    try:
+        registry.detach(entry, loop)
+        assert session.detached and registry.detached == 1
+        assert registry.claim(first) is entry and not session.detached
+        second = registry.attach(entry, "conn-2")
+        assert second != first and registry.peek(first) is None  # spent
+        assert registry.claim(first) is None and registry.counts.refused == 1
+        registry.forget(session)
+        assert registry.peek(second) is None and registry.detached == 0
+    finally:
+        loop.close()
