@@ -64,7 +64,8 @@ class Session:
         self.detached = False
         #: Times every frame's turnaround; fed the receive time of each message with a frame.
         self.timer = timer
-        self._arrived = timer.arrived if timer is not None else None
+        #: ``FrameTimer.arrived`` without the Python call: the deque's own append.
+        self._arrived = timer.arrivals.append if timer is not None else None
         #: Called after the session queued something or freed room; the adapter wakes on it.
         self.notify: Callable[[], None] = _noop
         self._partial = np.zeros(0, dtype=np.float32)
@@ -98,13 +99,13 @@ class Session:
             self._pending.append(samples)
             self.frames_in += 1
             if self._arrived is not None:
-                self._arrived(self.frames_in, self.last_activity)
+                self._arrived((self.frames_in, self.last_activity))
             return 1
         if not len(samples):
             return 0
         count = self._cut(samples, partial)
         if count and self._arrived is not None:
-            self._arrived(self.frames_in, self.last_activity)
+            self._arrived((self.frames_in, self.last_activity))
         return count
 
     def _cut(self, samples: np.ndarray, partial: np.ndarray) -> int:
@@ -142,7 +143,7 @@ class Session:
             self._partial = self._partial[:0]
             self._push(frame)
             if self._arrived is not None:
-                self._arrived(self.frames_in, self.last_activity)
+                self._arrived((self.frames_in, self.last_activity))
         self.state = State.ENDING
         self._maybe_complete()
 

@@ -59,6 +59,11 @@ class FrameTimer:
         self.count = 0
         self.late = 0
 
+    @property
+    def arrivals(self) -> collections.deque[tuple[int, float]]:
+        """(frames_in after a message, its receive time); the session core appends to it."""
+        return self._arrivals
+
     def arrived(self, frames_in: int, t: float) -> None:
         """Input frames up to ``frames_in - 1`` were complete at ``t``."""
         self._arrivals.append((frames_in, t))
