@@ -31,6 +31,7 @@ from duplexserve.server import auth
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.session import Session
+from duplexserve.server.turnaround import FLUSH_FRAMES
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +310,7 @@ class Connection(ABC):
 
     async def _write_loop(self, session: Session) -> None:
         loop, timer = self._loop, session.timer
+        sent_times = timer.sent_times if timer is not None else []
         try:
             while True:
                 item = session.pop_outgoing()
@@ -318,8 +320,10 @@ class Connection(ABC):
                     self._writer_wait = None
                     continue
                 await self.render(item)
-                if item.__class__ is AudioOut and timer is not None:
-                    timer.sent(item.index, loop.time())
+                if item.__class__ is AudioOut and timer is not None:  # in order: index implied
+                    sent_times.append(loop.time())
+                    if len(sent_times) >= FLUSH_FRAMES:
+                        timer.flush()
                 elif item.__class__ is ClosedOut:
                     await self.close(item.close_code, item.reason)
                     return

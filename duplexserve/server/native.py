@@ -155,6 +155,8 @@ class NativeConnection(Connection):
             await self.accept()
             await self.send_json(resumed)
             await self._replay(replay, [(i, t) for i, t in carry.sent_text if i > k])
+            if session.timer is not None:  # the writer goes on after the last frame handed over
+                session.timer.resync(carry.sent_audio.next)
         except (OSError, RuntimeError):  # gone again before the replay was out: detach again
             self.lost(session)
             return False

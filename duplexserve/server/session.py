@@ -64,8 +64,8 @@ class Session:
         self.detached = False
         #: Times every frame's turnaround; fed the receive time of each message with a frame.
         self.timer = timer
-        #: ``FrameTimer.arrived`` without the Python call: the deque's own append.
-        self._arrived = timer.arrivals.append if timer is not None else None
+        #: ``FrameTimer.arrived`` without the Python call: the list's own extend.
+        self._arrived = timer.arrivals.extend if timer is not None else None
         #: Called after the session queued something or freed room; the adapter wakes on it.
         self.notify: Callable[[], None] = _noop
         self._partial = np.zeros(0, dtype=np.float32)

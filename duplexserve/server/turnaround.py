@@ -11,7 +11,6 @@ at its end), never a metrics call per frame.
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,19 +38,22 @@ class TurnaroundTotals:
 class FrameTimer:
     """One session's input arrival times and output hand-over times.
 
-    ``arrived`` is fed by the session core with the receive time the adapter stamped on
-    the message; ``sent`` by the connection's writer, which pairs the frame with the
-    message that carried its input (a popleft now and then: messages arrive in order).
-    Output frames are timed the first time they reach a socket: a frame sent again after
-    a resume is not timed twice.
+    The session core extends :attr:`arrivals` with (frames_in after a message, its
+    receive time); the connection's writer appends the hand-over time of each output
+    frame to :attr:`sent_times` (output frames leave in order, so the index is implied)
+    and calls :meth:`flush` every :data:`FLUSH_FRAMES`, which pairs them with numpy.
+    Frames are timed the first time they reach a socket: after a resume, :meth:`sent`
+    times a replayed frame whose first send broke, and :meth:`resync` tells where the
+    writer goes on.
     """
 
-    __slots__ = ("_arrivals", "_kept", "_kept_n", "_next", "_totals", "_turns", "count", "late", "max_s")
+    __slots__ = ("_first", "_kept", "_kept_n", "_totals", "arrivals", "count", "late", "max_s", "sent_times")
 
     def __init__(self, totals: TurnaroundTotals) -> None:
-        self._arrivals: collections.deque[tuple[int, float]] = collections.deque()
-        self._turns: list[float] = []
-        self._next = 0  # the next output index to time
+        #: Flat: frames_in after a message, its receive time, the next message's, …
+        self.arrivals: list[float] = []
+        self.sent_times: list[float] = []
+        self._first = 0  # output index of sent_times[0]
         self._totals = totals
         self._kept: list[np.ndarray] = []
         self._kept_n = 0
@@ -59,37 +61,44 @@ class FrameTimer:
         self.count = 0
         self.late = 0
 
-    @property
-    def arrivals(self) -> collections.deque[tuple[int, float]]:
-        """(frames_in after a message, its receive time); the session core appends to it."""
-        return self._arrivals
-
     def arrived(self, frames_in: int, t: float) -> None:
         """Input frames up to ``frames_in - 1`` were complete at ``t``."""
-        self._arrivals.append((frames_in, t))
+        self.arrivals.extend((frames_in, t))
 
     def sent(self, index: int, t: float) -> None:
-        """Output frame ``index`` was handed to the socket at ``t``."""
-        if index < self._next:
-            return  # sent again after a resume: timed the first time
-        self._next = index + 1
-        arrivals = self._arrivals
-        while arrivals and arrivals[0][0] <= index:
-            arrivals.popleft()
-        if not arrivals:  # cannot happen: an answer without its input
-            return
-        turns = self._turns
-        turns.append(t - arrivals[0][1])
-        if len(turns) >= FLUSH_FRAMES:
+        """Output frame ``index`` was handed to the socket at ``t`` (off the writer's path)."""
+        expected = self._first + len(self.sent_times)
+        if index < expected:
+            return  # timed already, the first time it was sent
+        if index > expected:
+            self.flush()
+            self._first = index
+        self.sent_times.append(t)
+        if len(self.sent_times) >= FLUSH_FRAMES:
             self.flush()
 
+    def resync(self, index: int) -> None:
+        """The writer's next output frame is ``index`` (after a resume)."""
+        self.flush()
+        self._first = max(self._first, index)
+
     def flush(self) -> None:
-        """Fold the frames timed since the last flush into the totals, with numpy."""
-        turns = self._turns
-        if not turns:
+        """Pair the frames sent since the last flush with their messages; fold them in."""
+        sent = self.sent_times
+        if not sent:
             return
-        turn = np.array(turns)
-        turns.clear()
+        first, n = self._first, len(sent)
+        self._first += n
+        arrivals = self.arrivals
+        if not arrivals:  # cannot happen: an answer without its input
+            sent.clear()
+            return
+        arr = np.array(arrivals, dtype=np.float64).reshape(-1, 2)  # a flat list converts fast
+        ends = arr[:, 0]
+        which = np.minimum(np.searchsorted(ends, np.arange(first, first + n), side="right"), len(ends) - 1)
+        turn = np.maximum(np.array(sent) - arr[which, 1], 0.0)
+        sent.clear()
+        del arrivals[: 2 * int(np.searchsorted(ends, self._first, side="right"))]  # fully timed
         n = len(turn)
         totals = self._totals
         totals.buckets += np.bincount(np.searchsorted(_BUCKET_EDGES, turn), minlength=len(BUCKETS) + 1)
