@@ -129,6 +129,13 @@ class ServerConfig:
     drain_grace_s: float = _opt(
         30.0, "on SIGTERM: stop admitting, let sessions finish this long, then close the rest"
     )
+    resume_grace_s: float = _opt(
+        30.0, "duplex/1: keep a session whose connection dropped this long for a resume (0: no resume)"
+    )
+    late_frame_ms: float = _opt(
+        200.0, "an output frame handed to the socket more than this after its input arrived is late "
+        "(duplexserve_frames_late_total, session.closed late_frames)"
+    )
     engine_stall_s: float = _opt(
         10.0, "an engine step running longer than this is a stall: its sessions fail, the engine is rebuilt"
     )
@@ -221,6 +228,8 @@ class ServerConfig:
         if self.engine == "vllm-omni" and self.engine_process:
             raise ValueError("--engine vllm-omni runs its own orchestrator thread and processes: "
                              "--engine-process does not apply")
+        if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
+            raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.codec_threads < 1 or self.codec_processes < 0:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
         if not 0 <= self.opus_complexity <= 10:

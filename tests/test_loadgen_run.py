@@ -125,3 +125,14 @@ def test_bench_short_rtf_run(tmp_path):
     assert run["summary"]["guards_ok"] and run["warmup_sessions"] == run["config"]["concurrency"]
     assert run["summary"]["sessions"] == 2 * run["config"]["concurrency"]
     assert (tmp_path / "img" / "rtf_per_session.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("fmt", [("pcm_f32le", 24000), ("pcm_s16le", 16000)], ids=["f32", "s16-16k"])
+def test_drop_every_cuts_resumes_and_every_frame_comes_once(echo_server, fmt):
+    """--drop-every: connections aborted at random, resumed; the guards see one clean stream."""
+    result = run_load(_spec(echo_server.ws(), frames=50, drop_every=0.4, input_format=fmt[0],
+                            input_rate=fmt[1], output_format=fmt[0], output_rate=fmt[1]))
+    summary = result.summary()
+    assert result.guards_ok, result.failures
+    assert summary["frames"] == 6 * 50
+    assert summary["resumes"] > 0 and summary["frames_lost"] == 0

@@ -27,7 +27,9 @@ def test_session_created_describes_both_sides(echo_server):
     assert c["input"] == {"format": "pcm_f32le", "sample_rate": 24000, "frame_samples": 1920}
     assert c["output"] == c["input"]
     assert res.closed == {"type": "session.closed", "reason": "completed",
-                          "frames_in": 0, "frames_out": 0, "frames_dropped": 0}
+                          "frames_in": 0, "frames_out": 0, "frames_dropped": 0,
+                          "turnaround_ms": {"p50": 0.0, "p99": 0.0, "max": 0.0}, "late_frames": 0}
+    assert set(c["resume"]) == {"token", "grace_s"} and c["resume"]["grace_s"] == 30
     assert res.close_code == 1000
 
 

@@ -131,7 +131,8 @@ def test_a_client_that_stops_reading_is_closed_and_others_are_served(server_fact
 
 
 def test_disconnect_storm_leaks_no_session(server_factory):
-    server = server_factory("--max-sessions", "300")
+    # Cut connections detach their sessions for a resume: a short grace lets them expire.
+    server = server_factory("--max-sessions", "300", "--resume-grace-s", "2")
     rng = random.Random(7)
 
     async def victim(i: int) -> None:
@@ -189,6 +190,8 @@ def test_sessions_per_client_address_are_limited(server_factory):
         b = await websockets.connect(server.ws(), compression=None)
         await a.recv(), await b.recv()
         third = await open_close_code(server.ws())
+        for ws in (a, b):  # session.close: a bare WebSocket close would detach them for a resume
+            await ws.send(json.dumps({"type": "session.close"}))
         await a.close(), await b.close()
         await asyncio.sleep(0.2)
         return third, await echo_ok(server.ws())

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--playback-buffer-frames", type=int, default=1,
                    help="player buffer for counting underruns (see docs/benchmarks.md)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="connect and final-answer timeout")
+    p.add_argument("--drop-every", type=float, default=0.0,
+                   help="native: cut each session's TCP connection at random moments about this often "
+                        "(seconds), resume it and go on; guards check every frame came once, in order")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plots", help="write PNG plots into this folder")
     p.add_argument("--no-progress", action="store_true", help="no live display")
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             output_format=args.output_format, output_rate=args.output_rate, wav=args.wav,
             seed=args.seed, processes=args.processes, ramp_s=args.ramp_s, expect=args.expect,
             delay_frames=args.delay_frames, playback_buffer_frames=args.playback_buffer_frames,
-            timeout_s=args.timeout_s, scrape_metrics=not args.no_metrics,
+            timeout_s=args.timeout_s, scrape_metrics=not args.no_metrics, drop_every=args.drop_every,
         )
         try:
             spec.validate()

@@ -40,6 +40,9 @@ class SessionResult:
     text_events: int
     closed_reason: str
     guards: GuardReport = field(default_factory=GuardReport)
+    resumes: int = 0  # --drop-every: connections cut and resumed
+    replayed: int = 0  # output frames the server sent again after a resume
+    frames_lost: int = 0  # output frames no longer kept at a resume (a guard failure)
 
     @property
     def wall_s(self) -> float:
@@ -59,6 +62,7 @@ class SessionRecorder:
         self.disconnected = False
         self.close_code: int | None = None
         self.done_callback: Any = None
+        self.resumes = self.replayed = self.frames_lost = 0
         width = SAMPLE_BYTES.get(output.format)
         self._frame_bytes = width * output.frame_samples if width else 0
         self._recent = recent  # shared by a worker: round trips for the live p99
@@ -117,6 +121,14 @@ class SessionRecorder:
         if self.done_callback is not None:
             self.done_callback()
 
+    def on_resumed(self, info: dict[str, Any]) -> None:
+        self.resumes += 1
+        self.replayed += int(info.get("replayed", 0))
+        lost = int(info.get("frames_lost", 0))
+        self.frames_lost += lost
+        if lost:
+            self.checker.report.errors.append(f"resume {self.resumes}: the server lost {lost} frames")
+
     # ------------------------------------------------------------------ results
     def fail(self, why: str) -> None:
         self.checker.report.errors.append(why)
@@ -147,4 +159,7 @@ class SessionRecorder:
             text_events=self.text_events,
             closed_reason=self.closed_reason,
             guards=guards,
+            resumes=self.resumes,
+            replayed=self.replayed,
+            frames_lost=self.frames_lost,
         )

@@ -119,6 +119,10 @@ def print_report(console: Console, results: list[RunResult]) -> None:
     console.print(summary_table(results))
     for r in results:
         console.print(client_line(r))
+        s = r.summary()
+        if r.config.get("drop_every"):
+            console.print(f"drops ({r.label}): {s['resumes']} connections cut and resumed, "
+                          f"{s['frames_replayed']} frames replayed, {s['frames_lost']} lost")
         if r.client.busy > 0.8:
             console.print(f"[yellow]warning: the client was busy {100 * r.client.busy:.0f}% of the time; "
                           "add --processes or cores, the numbers may measure the client[/]")

@@ -156,6 +156,9 @@ class RunResult:
             "makespan_s": makespan,
             "us_per_frame_wall": 1e6 * makespan / self.frames if self.frames else math.nan,
             "text_events": sum(s.text_events for s in self.sessions),
+            "resumes": sum(s.resumes for s in self.sessions),
+            "frames_replayed": sum(s.replayed for s in self.sessions),
+            "frames_lost": sum(s.frames_lost for s in self.sessions),
         }
         if self.server is not None:
             out["server"] = self.server.as_dict()
@@ -177,6 +180,7 @@ class RunResult:
                     "rt_p99_ms": 1e3 * metrics.percentile(s.rt, 99),
                     "lateness_p99_ms": 1e3 * s.lateness_p99, "underruns": s.underruns,
                     "closed_reason": s.closed_reason, "guards": s.guards.describe(),
+                    "resumes": s.resumes, "replayed": s.replayed, "frames_lost": s.frames_lost,
                 }
                 for s in self.sessions
             ],

@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from duplexserve.codecs import AudioFormat
+from duplexserve.codecs.formats import SAMPLE_BYTES
 from duplexserve.loadgen.audio import BaseSignal, SessionAudio, StreamSpec
 from duplexserve.loadgen.drivers import get_driver
+from duplexserve.loadgen.drivers.native_resume import ResumingNativeDriver
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.recorder import SessionRecorder, SessionResult
 from duplexserve.loadgen.results import ClientStats, RunResult
@@ -62,6 +64,7 @@ class LoadSpec:
     timeout_s: float = 60.0
     label: str = ""
     scrape_metrics: bool = True
+    drop_every: float = 0.0  # cut each session's connection about this often (s) and resume; 0: never
 
     def stream(self) -> StreamSpec:
         return StreamSpec(
@@ -87,6 +90,10 @@ class LoadSpec:
             raise ValueError("expect is one of echo, silence, none")
         self.stream()  # formats
         driver = get_driver(self.protocol)
+        if self.drop_every < 0:
+            raise ValueError("drop_every cannot be negative")
+        if self.drop_every and (self.protocol != "native" or self.input_format not in SAMPLE_BYTES):
+            raise ValueError("--drop-every needs the native protocol and a PCM or G.711 input format")
         if driver.input_formats is not None and self.input_format not in driver.input_formats:
             raise ValueError(f"{self.protocol} carries only {', '.join(driver.input_formats)}")
 
@@ -106,7 +113,7 @@ class Worker:
         self.spec = spec
         self.stream = spec.stream()
         self.base = BaseSignal(spec.frames, spec.wav, spec.seed)
-        self.driver_cls = get_driver(spec.protocol)
+        self.driver_cls = ResumingNativeDriver if spec.drop_every else get_driver(spec.protocol)
         self.progress = progress
         self.recent: list[float] = []
         self._live: set[SessionRecorder] = set()
@@ -161,6 +168,7 @@ class Worker:
         audio = SessionAudio(self.base, stream, index, spec.expect, spec.delay_frames)
         driver = self.driver_cls(stream.input, stream.output, rec)
         finished: asyncio.Future[None] = loop.create_future()
+        dropper: asyncio.Task[None] | None = None
         rec.done_callback = lambda: finished.done() or finished.set_result(None)
         self._live.add(rec)
         try:
@@ -174,6 +182,8 @@ class Worker:
                 return rec.result(spec.playback_buffer_frames)
             if on_connected is not None:
                 on_connected()
+            if spec.drop_every:
+                dropper = asyncio.create_task(_drops(driver, spec.drop_every, self._rng, rec, spec.timeout_s))
             if barrier is not None:
                 await barrier
             if self.pacer is not None:
@@ -194,6 +204,8 @@ class Worker:
                 driver.abort()
             return rec.result(spec.playback_buffer_frames)
         finally:
+            if dropper is not None:
+                dropper.cancel()
             self._live.discard(rec)
             self._done += 1
             self._done_frames += len(rec.received)
@@ -243,6 +255,15 @@ def _paced_sender(
         return False
 
     return send_next
+
+
+async def _drops(driver: Any, every: float, rng: random.Random, rec: SessionRecorder, timeout: float) -> None:
+    """Cut the session's connection at random moments, ``every`` seconds apart on average."""
+    while True:
+        await asyncio.sleep(rng.expovariate(1.0 / every))
+        if rec.closed_reason or rec.disconnected or driver.input_ended:
+            return  # a session that completed cannot be resumed: drops happen while it streams
+        await driver.drop_and_resume(timeout)
 
 
 def _end(driver: Any, audio: SessionAudio, rec: SessionRecorder) -> None:

@@ -11,6 +11,7 @@ or, for a ``remote`` codec (Opus), in a codec worker process (docs/codecs.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -27,9 +28,10 @@ from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server import auth
-from duplexserve.server.events import ClosedOut, Outgoing
+from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.session import Session
+from duplexserve.server.turnaround import FLUSH_FRAMES
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class Connection(ABC):
         self._reader_wait: asyncio.Future[None] | None = None
         self._tasks: tuple[asyncio.Task[None], ...] = ()
         self._abort_timer: asyncio.TimerHandle | None = None
+        #: A resume took the session over while this connection still held it (half-open).
+        self.replaced = False
 
     # ------------------------------------------------------------- adapter hooks
     @abstractmethod
@@ -116,10 +120,14 @@ class Connection(ABC):
         self._tasks = (reader, writer)
         try:
             done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-            if reader in done:  # the client went away: nobody is left to write to
-                if not session.closed:
-                    self.orch.close(session, "disconnected", errors.GOING_AWAY)
+            if self.replaced:
+                await self._say_replaced()
+            elif reader in done:  # the client went away: nobody is left to write to
+                if not session.closed and self.lost(session):
+                    return  # detached: the writer goes, the session stays for a resume
                 await asyncio.wait((writer,), timeout=1.0)
+            elif not session.closed and self.lost(session):  # the socket broke under the writer
+                return
             else:  # the close was sent (or the socket broke): wait for the client's reply
                 await asyncio.wait((reader,), timeout=CLOSE_GRACE_S)
         finally:
@@ -127,9 +135,34 @@ class Connection(ABC):
                 self._abort_timer.cancel()
             for task in self._tasks:
                 task.cancel()
-            if not session.closed:
-                self.orch.close(session, "disconnected", errors.GOING_AWAY)
-            self.orch.pump(session)
+            if not self.replaced:
+                if not session.closed and not session.detached:
+                    self.orch.close(session, "disconnected", errors.GOING_AWAY)
+                self.orch.pump(session)
+            if session.timer is not None:
+                session.timer.flush()
+
+    def lost(self, session: Session) -> bool:
+        """The connection ended under an open session; True: it was detached for a resume.
+
+        Protocols without resume close it (``disconnected``)."""
+        self.orch.close(session, "disconnected", errors.GOING_AWAY)
+        return False
+
+    def take_over(self) -> None:
+        """A resume took this connection's session: stop moving its data at once."""
+        self.replaced = True
+        for task in self._tasks:
+            task.cancel()
+
+    async def _say_replaced(self) -> None:
+        """Tell a half-open connection it lost its session; never wait long on it."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.send_replaced(), 1.0)
+
+    async def send_replaced(self) -> None:
+        """The protocol's goodbye to a connection whose session moved to a new one."""
+        await self.close(errors.NORMAL, "replaced")
 
     async def _guarded_read_loop(self, session: Session) -> None:
         try:
@@ -233,6 +266,7 @@ class Connection(ABC):
 
     def _wake(self) -> None:
         session = self.session
+        assert session is not None
         if session.closed and self._abort_timer is None:
             self._abort_timer = self._loop.call_later(CLOSE_GRACE_S, self._abort)
         waiter = self._writer_wait
@@ -280,7 +314,8 @@ class Connection(ABC):
                 self._wake()
 
     async def _write_loop(self, session: Session) -> None:
-        loop = self._loop
+        loop, timer = self._loop, session.timer
+        sent_times = timer.sent_times if timer is not None else []
         try:
             while True:
                 item = session.pop_outgoing()
@@ -290,7 +325,11 @@ class Connection(ABC):
                     self._writer_wait = None
                     continue
                 await self.render(item)
-                if item.__class__ is ClosedOut:
+                if item.__class__ is AudioOut and timer is not None:  # in order: index implied
+                    sent_times.append(loop.time())
+                    if len(sent_times) >= FLUSH_FRAMES:
+                        timer.flush()
+                elif item.__class__ is ClosedOut:
                     await self.close(item.close_code, item.reason)
                     return
         except (OSError, RuntimeError, asyncio.CancelledError):

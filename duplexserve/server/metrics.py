@@ -10,12 +10,13 @@ import resource
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from duplexserve.engine_bridge.bridge import StepOutput
 from duplexserve.server.orchestrator import Orchestrator
+from duplexserve.server.turnaround import BUCKETS as TURNAROUND_BUCKETS
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.2)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512)
@@ -25,9 +26,32 @@ class ServerCollector(Collector):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orch = orchestrator
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         orch, counts, bridge = self.orch, self.orch.counts, self.orch.bridge.counts
         live = orch.sessions()
+        yield GaugeMetricFamily(
+            "duplexserve_sessions_detached", "sessions waiting for a resume, holding their slot",
+            orch.resume.detached,
+        )
+        resumes = CounterMetricFamily(
+            "duplexserve_session_resumes", "resume outcomes: resumed, expired, refused", labels=["outcome"]
+        )
+        rc = orch.resume.counts
+        for outcome, value in (("resumed", rc.resumed), ("expired", rc.expired), ("refused", rc.refused)):
+            resumes.add_metric([outcome], value)
+        yield resumes
+        turn = orch.turnaround
+        cumulative = turn.buckets.cumsum().tolist()
+        bounds = [*(str(b) for b in TURNAROUND_BUCKETS), "+Inf"]
+        yield HistogramMetricFamily(
+            "duplexserve_frame_turnaround_seconds",
+            "input message received to output frame handed to the socket (flushed every 256 frames)",
+            buckets=list(zip(bounds, cumulative, strict=True)), sum_value=turn.sum_s,
+        )
+        yield CounterMetricFamily(
+            "duplexserve_frames_late", "output frames whose turnaround was over --late-frame-ms",
+            value=turn.late,
+        )
         yield GaugeMetricFamily("duplexserve_sessions_active", "sessions holding a slot", orch.active)
         yield GaugeMetricFamily("duplexserve_ready", "1 when new sessions are admitted", int(orch.ready))
         yield GaugeMetricFamily(

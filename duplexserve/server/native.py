@@ -7,23 +7,63 @@ answer leaves as one ``tobytes()`` per frame.
 
 from __future__ import annotations
 
+import collections
 import json
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
+
+import numpy as np
 
 from duplexserve import errors
-from duplexserve.codecs.formats import FRAME_MS, AudioFormat, FormatError
-from duplexserve.codecs.pipeline import make_decoder, make_encoder
+from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, SAMPLE_BYTES, AudioFormat, FormatError
+from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
+from duplexserve.codecs.resample import frame_samples_total
 from duplexserve.errors import SessionError
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.replay import ReplayRing
+from duplexserve.server.resume import Resumable
 from duplexserve.server.session import State
+
+OPUS = "opus"
+
+
+@dataclass
+class Carry:
+    """What a resumed session takes from its old connection: formats, codecs, replay.
+
+    ``sent_audio`` holds the last output frames handed to a socket: the bytes as sent,
+    or for Opus the model audio (each connection is its own Ogg stream, so a replayed
+    Opus frame is encoded again by the new stream's encoder). ``sent_text`` holds the
+    text deltas of those frames.
+    """
+
+    input_format: AudioFormat
+    output_format: AudioFormat
+    decoder: Decoder
+    encoder: Encoder
+    sent_audio: ReplayRing
+    sent_text: collections.deque[tuple[int, str]]
+    wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
 
 
 class NativeConnection(Connection):
     protocol = "duplex/1"
+    _resumable: Resumable | None = None
+    _sent_audio: ReplayRing | None = None
+    _sent_text: collections.deque[tuple[int, str]] | None = None
+    #: Input bytes fed to the decoder (PCM and G.711): after a resume, the client sends
+    #: again from input frame ``frames_in``; the bytes the decoder already took are skipped,
+    #: so its resampler and the session's partial frame go on as if nothing happened.
+    _wire_bytes = 0
+    _skip_bytes = 0
 
     async def handshake(self) -> bool:
         q = self.query
+        raw = dict(parse_qsl(self.scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
+        if "resume" in raw:  # an empty token is a bad token, not a new session
+            return await self._resume(raw["resume"], raw.get("last_frame", ""))
         try:
             self._set_formats(
                 AudioFormat.parse(q.get("input_format"), q.get("input_sample_rate")),
@@ -34,14 +74,132 @@ class NativeConnection(Connection):
             return False
         if not await self.open_session():
             return False
+        created = self._describe("session.created")
+        registry = self.orch.resume
+        if registry.enabled:
+            assert self.session is not None
+            self._sent_text = collections.deque(maxlen=self.config.max_output_frames)
+            self._new_ring()
+            self._resumable = registry.issue(self.session, self)
+            created["resume"] = {"token": self._resumable.token, "grace_s": registry.grace_s}
         await self.accept()
-        await self.send_json(self._describe("session.created"))
+        await self.send_json(created)
         return True
+
+    # -------------------------------------------------------------------- resume
+    def carry(self) -> Carry:
+        assert self.decoder is not None and self.encoder is not None
+        assert self._sent_audio is not None and self._sent_text is not None
+        return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
+                     self._sent_audio, self._sent_text, self._wire_bytes)
+
+    def lost(self, session: Any) -> bool:
+        entry = self._resumable
+        if entry is not None and entry.owner is self:
+            entry.state = self.carry()
+        return self.orch.detach(session)
+
+    async def _resume(self, token: str, last_frame: str) -> bool:
+        """``?resume=<token>&last_frame=<k>``: take a detached (or half-open) session over."""
+        registry = self.orch.resume
+        entry = registry.peek(token) if registry.enabled else None
+        if entry is None:
+            registry.refuse()
+            await self.refuse(errors.POLICY, "resume_failed", "unknown, used or expired resume token")
+            return False
+        session = entry.session
+        try:
+            k = int(last_frame)
+        except ValueError:
+            k = -2
+        if not -1 <= k <= session.frames_out - 1:
+            registry.refuse()
+            await self.refuse(errors.POLICY, "resume_failed",
+                              f"last_frame must be -1 to {session.frames_out - 1}")
+            return False
+        old = entry.owner
+        carry: Carry = old.carry() if old is not None else entry.state
+        registry.claim(token)
+        if old is not None:
+            old.take_over()  # a half-open connection: it says session.closed "replaced"
+        self.input_format, self.output_format = carry.input_format, carry.output_format
+        # Each connection is its own Ogg stream both ways; resamplers keep their state.
+        self.decoder = make_decoder(carry.input_format, self.codec_procs) \
+            if carry.input_format.format == OPUS else carry.decoder
+        self.encoder = make_encoder(carry.output_format, self.codec_procs) \
+            if carry.output_format.format == OPUS else carry.encoder
+        self._sent_audio, self._sent_text = carry.sent_audio, carry.sent_text
+        self.session, self._resumable = session, entry
+        if carry.input_format.format == OPUS:
+            session.drop_partial()  # the new Ogg stream starts at input frame frames_in
+        else:
+            width = SAMPLE_BYTES[carry.input_format.format]
+            taken = frame_samples_total(session.frames_in, carry.input_format.sample_rate) * width
+            self._wire_bytes = carry.wire_bytes
+            self._skip_bytes = max(carry.wire_bytes - taken, 0)
+        session.last_activity = self._loop.time()
+        token = registry.attach(entry, self)
+        replay = carry.sent_audio.after(k)
+        unsent = session.frames_out - (replay[-1][0] + 1 if replay else k + 1)
+        replayed = len(replay) + max(unsent, 0)
+        resumed = self._describe("session.resumed")
+        del resumed["protocol"], resumed["model"], resumed["engine"], resumed["frame_ms"]
+        resumed.update({
+            "frames_in": session.frames_in,
+            "frames_out": session.frames_out,
+            "replayed": replayed,
+            "frames_lost": session.frames_out - (k + 1) - replayed,
+            "resume": {"token": token, "grace_s": registry.grace_s},
+        })
+        try:
+            await self.accept()
+            await self.send_json(resumed)
+            await self._replay(replay, [(i, t) for i, t in carry.sent_text if i > k])
+            if session.timer is not None:  # the writer goes on after the last frame handed over
+                session.timer.resync(carry.sent_audio.next)
+        except (OSError, RuntimeError):  # gone again before the replay was out: detach again
+            self.lost(session)
+            return False
+        return True
+
+    async def _replay(self, audio: list[tuple[int, Any]], texts: list[tuple[int, str]]) -> None:
+        """Send again the frames after ``last_frame`` that were handed to the old socket."""
+        t = 0
+        timer = self.session.timer if self.session is not None else None
+        for index, payload in audio:
+            if self.output_format.format == OPUS:
+                data = await self.encode(np.frombuffer(payload, dtype=np.float32))
+            else:
+                data = payload
+            await self.send_bytes(data)
+            if timer is not None:  # a frame whose first send broke is timed now, gap included
+                timer.sent(index, self._loop.time())
+            while t < len(texts) and texts[t][0] <= index:
+                if texts[t][0] == index:
+                    await self.send_json({"type": "text.delta", "frame": index, "text": texts[t][1]})
+                t += 1
+
+    async def send_replaced(self) -> None:
+        session = self.session
+        assert session is not None
+        await self.send_json({
+            "type": "session.closed", "reason": "replaced",
+            "frames_in": session.frames_in, "frames_out": session.frames_out, "frames_dropped": 0,
+        })
+        await self.close(errors.NORMAL, "replaced")
 
     def _set_formats(self, inp: AudioFormat, out: AudioFormat) -> None:
         decoder, encoder = make_decoder(inp, self.codec_procs), make_encoder(out, self.codec_procs)
         self.input_format, self.output_format = inp, out
         self.decoder, self.encoder = decoder, encoder
+        if self._sent_audio is not None:
+            self._new_ring()
+
+    def _new_ring(self) -> None:
+        """Replay storage sized for the output format: wire bytes, or model audio for Opus."""
+        out = self.output_format
+        width = FRAME_SAMPLES * 4 if out.format == OPUS else SAMPLE_BYTES[out.format] * out.frame_samples
+        self._sent_audio = ReplayRing(self.config.max_output_frames, width)
 
     def _describe(self, kind: str) -> dict[str, Any]:
         assert self.session is not None
@@ -60,6 +218,13 @@ class NativeConnection(Connection):
     async def on_binary(self, data: bytes) -> None:
         decoder = self.decoder
         assert decoder is not None and self.session is not None
+        if self._skip_bytes:  # sent again after a resume, already decoded
+            skip = min(self._skip_bytes, len(data))
+            self._skip_bytes -= skip
+            data = data[skip:]
+            if not data:
+                return
+        self._wire_bytes += len(data)
         try:
             if decoder.inline and self.inline_ok:  # no await on the hot path
                 self.session.receive_audio(decoder.decode(data))
@@ -131,8 +296,20 @@ class NativeConnection(Connection):
     async def render(self, item: Outgoing) -> None:
         cls = item.__class__
         if cls is AudioOut:
-            await self.send_bytes(await self.encode(item.audio))
+            sent = self._sent_audio
+            if sent is None:
+                await self.send_bytes(await self.encode(item.audio))
+            elif self.output_format.format == OPUS:  # kept before the send: a broken send is replayed
+                audio = np.ascontiguousarray(item.audio, dtype=np.float32)
+                sent.add(item.index, memoryview(audio).cast("B"))
+                await self.send_bytes(await self.encode(audio))
+            else:
+                data = await self.encode(item.audio)
+                sent.add(item.index, data)
+                await self.send_bytes(data)
         elif cls is TextOut:
+            if self._sent_text is not None:
+                self._sent_text.append((item.index, item.text))
             await self.send_json({"type": "text.delta", "frame": item.index, "text": item.text})
         elif cls is Notice:
             await self.send_json(item.payload)
@@ -145,4 +322,11 @@ class NativeConnection(Connection):
                 "frames_in": item.frames_in,
                 "frames_out": item.frames_out,
                 "frames_dropped": item.frames_dropped,
+                **self._deadlines(),
             })
+
+    def _deadlines(self) -> dict[str, Any]:
+        timer = self.session.timer if self.session is not None else None
+        if timer is None:
+            return {}
+        return {"turnaround_ms": timer.summary(), "late_frames": timer.late}

@@ -20,7 +20,9 @@ from typing import Any
 from duplexserve import errors
 from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
+from duplexserve.server.resume import ResumeRegistry
 from duplexserve.server.session import Limits, Session, State
+from duplexserve.server.turnaround import FrameTimer, TurnaroundTotals
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class Counts:
     frames_dropped: int = 0
 
 
+def _noop() -> None:
+    pass
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -47,6 +53,8 @@ class Orchestrator:
         engine_stall_s: float = 10.0,
         engine_factory: Callable[[], Engine] | None = None,
         coalesce_ms: float = 0.0,
+        resume_grace_s: float = 0.0,
+        late_frame_ms: float = 200.0,
     ) -> None:
         self.engine = engine
         self.limits = limits
@@ -70,6 +78,8 @@ class Orchestrator:
         self._generations = itertools.count(1)
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.resume = ResumeRegistry(resume_grace_s, self._expire)
+        self.turnaround = TurnaroundTotals(late_frame_ms / 1000.0)
 
     def _new_bridge(self, engine: Engine, counts: Any = None) -> EngineBridge:
         make_bridge = getattr(engine, "make_bridge", None)
@@ -106,8 +116,14 @@ class Orchestrator:
             self.close(session, reason, close_code)
 
     async def drain(self, grace_s: float) -> None:
-        """Stop admitting; let live sessions end on their own for ``grace_s``, then close them."""
+        """Stop admitting; let live sessions end on their own for ``grace_s``, then close them.
+
+        Detached sessions end at once: nobody is there to finish them, and a resume
+        would only be refused by a server that is going away.
+        """
         self.draining = True
+        for session in self.resume.detached_sessions():
+            self.close(session, "server_shutdown", errors.GOING_AWAY)
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -153,7 +169,9 @@ class Orchestrator:
         if client:
             self._per_client[client] += 1
             self._client_of[slot] = client
-        session = Session(secrets.token_hex(8), slot, next(self._generations), self.limits)
+        session = Session(
+            secrets.token_hex(8), slot, next(self._generations), self.limits, FrameTimer(self.turnaround)
+        )
         assert self._loop is not None
         session.started = session.last_activity = self._loop.time()
         self._by_slot[slot] = session
@@ -181,9 +199,33 @@ class Orchestrator:
         self._release(session)
         session.notify()
 
+    # --------------------------------------------------------------------- resume
+    def detach(self, session: Session) -> bool:
+        """The connection of an open session ended: keep the session for a resume.
+
+        False (and the session is closed ``disconnected``) when resume is off, the
+        session is not resumable or the server is draining.
+        """
+        entry = self.resume.entry_of(session)
+        if session.closed:
+            return False
+        if entry is None or not self.resume.enabled or self.draining:
+            self.close(session, "disconnected", errors.GOING_AWAY)
+            return False
+        assert self._loop is not None
+        session.notify = _noop
+        self.resume.detach(entry, self._loop)
+        return True
+
+    def _expire(self, session: Session) -> None:
+        self.close(session, "resume_expired", errors.GOING_AWAY)
+
     def _release(self, session: Session) -> None:
         if self._by_slot[session.slot] is not session:
             return
+        self.resume.forget(session)
+        if session.timer is not None:
+            session.timer.flush()
         self._by_slot[session.slot] = None
         self._free.append(session.slot)
         if not self.bridge.abandoned:
@@ -282,6 +324,7 @@ class Orchestrator:
                 self.close(session, "max_duration", errors.NORMAL)
             elif (
                 self.idle_timeout_s
+                and not session.detached  # the resume grace bounds those
                 and session.state in (State.CREATED, State.STREAMING)
                 and session.inflight == 0
                 and not session.input_paused

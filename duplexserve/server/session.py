@@ -24,6 +24,7 @@ from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.turnaround import FrameTimer
 
 
 class State(enum.Enum):
@@ -45,7 +46,9 @@ def _noop() -> None:
 
 
 class Session:
-    def __init__(self, session_id: str, slot: int, generation: int, limits: Limits) -> None:
+    def __init__(
+        self, session_id: str, slot: int, generation: int, limits: Limits, timer: FrameTimer | None = None
+    ) -> None:
         self.id = session_id
         self.slot = slot
         self.generation = generation
@@ -56,7 +59,13 @@ class Session:
         self.inflight = 0
         self.closed_event: ClosedOut | None = None
         self.started = 0.0  # set by whoever owns the clock
-        self.last_activity = 0.0
+        self.last_activity = 0.0  # also the receive time of the message being fed in
+        #: No connection holds the session; it waits for a resume (server/resume.py).
+        self.detached = False
+        #: Times every frame's turnaround; fed the receive time of each message with a frame.
+        self.timer = timer
+        #: ``FrameTimer.arrived`` without the Python call: the list's own extend.
+        self._arrived = timer.arrivals.extend if timer is not None else None
         #: Called after the session queued something or freed room; the adapter wakes on it.
         self.notify: Callable[[], None] = _noop
         self._partial = np.zeros(0, dtype=np.float32)
@@ -89,9 +98,17 @@ class Session:
         if len(samples) == FRAME_SAMPLES and not len(partial):  # the common case: one frame
             self._pending.append(samples)
             self.frames_in += 1
+            if self._arrived is not None:
+                self._arrived((self.frames_in, self.last_activity))
             return 1
         if not len(samples):
             return 0
+        count = self._cut(samples, partial)
+        if count and self._arrived is not None:
+            self._arrived((self.frames_in, self.last_activity))
+        return count
+
+    def _cut(self, samples: np.ndarray, partial: np.ndarray) -> int:
         if len(partial):
             need = FRAME_SAMPLES - len(partial)
             if len(samples) < need:
@@ -125,8 +142,15 @@ class Session:
             frame[: len(self._partial)] = self._partial
             self._partial = self._partial[:0]
             self._push(frame)
+            if self._arrived is not None:
+                self._arrived((self.frames_in, self.last_activity))
         self.state = State.ENDING
         self._maybe_complete()
+
+    def drop_partial(self) -> None:
+        """After a resume the client sends again from input frame ``frames_in``: forget
+        the samples of a frame it had only begun."""
+        self._partial = self._partial[:0]
 
     def frames_ready(self) -> list[np.ndarray]:
         """Frames the engine may take now, oldest first, within the in-flight window."""

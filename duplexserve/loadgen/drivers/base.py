@@ -37,6 +37,9 @@ class Sink(Protocol):
     def on_disconnect(self, code: int | None, reason: str) -> None:
         """The WebSocket is closed."""
 
+    def on_resumed(self, info: dict[str, Any]) -> None:
+        """A dropped connection was resumed (``--drop-every``); ``info`` is session.resumed."""
+
 
 class ClientDriver(ABC):
     """One session of one protocol over one WebSocket."""

@@ -1,0 +1,71 @@
+"""How late the server answers: per-frame turnaround, in bulk, in session.closed and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from duplexserve.server.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals
+from tests.native_client import converse
+from tests.native_client import signal as noise
+
+FRAME_BYTES = 1920 * 4
+
+
+def test_timer_pairs_each_output_frame_with_the_message_that_carried_its_input():
+    totals = TurnaroundTotals(late_s=0.2)
+    timer = FrameTimer(totals)
+    timer.arrived(2, 10.0)  # one message completing frames 0 and 1
+    timer.arrived(3, 10.5)  # frame 2
+    timer.arrived(6, 11.0)  # frames 3, 4, 5
+    sends = [10.01, 10.02, 10.9, 11.1, 11.3, 11.05]
+    for i, t in enumerate(sends):
+        timer.sent(i, t)
+    timer.sent(2, 99.0)  # sent again after a resume: timed once only
+    summary = timer.summary()
+    expected = np.array([0.01, 0.02, 0.4, 0.1, 0.3, 0.05])
+    assert timer.count == 6 and totals.count == 6
+    assert timer.late == totals.late == 2  # 0.4 and 0.3 are over 0.2
+    assert np.isclose(totals.sum_s, expected.sum())
+    assert summary["max"] == 400.0
+    assert summary["p50"] == 75.0  # the median of 10, 20, 50, 100, 300, 400 ms
+    assert totals.buckets.sum() == 6
+
+
+def test_timer_flushes_in_bulk_and_forgets_what_it_timed():
+    totals = TurnaroundTotals()
+    timer = FrameTimer(totals)
+    n = FLUSH_FRAMES * 3 + 5
+    for i in range(n):
+        timer.arrived(i + 1, float(i))
+        timer.sent(i, i + 0.05)
+    assert totals.count == FLUSH_FRAMES * 3  # three bulk flushes, nothing per frame
+    assert len(timer.arrivals) == 2 * 5  # only the messages of the 5 frames not yet flushed
+    timer.flush()
+    assert totals.count == n and totals.late == 0
+
+
+def test_session_closed_reports_turnaround_and_late_frames(server_factory):
+    # Each engine step waits 30 ms: every frame is later than a 5 ms deadline.
+    server = server_factory("--step-base-ms", "30", "--late-frame-ms", "5")
+    audio = noise(20, seed=31).tobytes()
+    chunks = [audio[i : i + FRAME_BYTES] for i in range(0, len(audio), FRAME_BYTES)]
+    res = asyncio.run(converse(server.ws(), chunks))
+    closed = res.closed
+    assert closed["late_frames"] == 20
+    turn = closed["turnaround_ms"]
+    assert set(turn) == {"p50", "p99", "max"}
+    assert 5.0 < turn["p50"] <= turn["p99"] <= turn["max"]
+    metrics = server.metrics()
+    assert metrics["duplexserve_frame_turnaround_seconds_count"] == 20
+    assert metrics["duplexserve_frames_late_total"] == 20
+    assert metrics['duplexserve_frame_turnaround_seconds_bucket{le="+Inf"}'] == 20
+    assert metrics['duplexserve_frame_turnaround_seconds_bucket{le="0.001"}'] == 0
+
+
+def test_every_frame_is_timed_also_when_messages_carry_several(echo_server):
+    res = asyncio.run(converse(echo_server.ws(), [noise(10, seed=32).tobytes()]))
+    turn = res.closed["turnaround_ms"]
+    assert 0 < turn["p50"] <= turn["p99"] <= turn["max"]
+    assert 0 <= res.closed["late_frames"] <= 10
