@@ -56,6 +56,12 @@ BENCHMARKS = {
     "moshi-step": Benchmark(
         "moshi_step", "moshi engine: the step broken down, one layer's attention, agreement with batch 1"
     ),
+    "ab-burst": Benchmark(
+        "ab_burst", "host burst of two source trees, interleaved: server CPU per frame of each"
+    ),
+    "turnaround-cost": Benchmark(
+        "turnaround_cost", "the per-frame CPU of the deadline and replay bookkeeping"
+    ),
     "soak": Benchmark("soak", "sessions come and go for a set time; leaks and losses counted"),
 }
 

@@ -1,6 +1,6 @@
 """CPU per frame of the turnaround bookkeeping alone (server/turnaround.py), flushes included.
 
-The burst A/B (scripts/ab_burst.py) prices the whole change but on a busy machine its
+The burst A/B (``duplexserve bench ab-burst``) prices the whole change but on a busy machine its
 repetitions scatter by +-15%; this counts the added work itself, in process CPU time,
 for one 80 ms message per frame as the burst sends: the session's arrival append, the
 writer's clock read and ``sent``, and the numpy flush every 512 frames.
@@ -8,6 +8,7 @@ writer's clock read and ``sent``, and the numpy flush every 512 frames.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 
@@ -19,7 +20,15 @@ from duplexserve.server.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTo
 FRAMES = 256 * 400
 
 
-async def main() -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """No options: a fixed count of frames, best of seven."""
+
+
+def run(args: argparse.Namespace) -> None:
+    uvloop.run(measure())
+
+
+async def measure() -> None:
     clock = asyncio.get_running_loop().time
     best: dict[str, float] = {}
     for _ in range(7):
@@ -44,7 +53,3 @@ async def main() -> None:
         best["empty loop"] = min(best.get("empty loop", 1e9), (time.process_time() - t0) / FRAMES)
     for name, seconds in best.items():
         print(f"{name}: {seconds * 1e9:.0f} ns CPU per frame")
-
-
-if __name__ == "__main__":
-    uvloop.run(main())
