@@ -12,43 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
-import subprocess
-import sys
-import time
-import urllib.request
 
-from duplexserve.bench.servers import free_port, pin_client
+from duplexserve.bench.servers import pin_client, serve_tree
 from duplexserve.loadgen.runner import LoadSpec, run_load
-
-
-def start(tree: str, args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    pin = ["taskset", "-c", "0"] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
-    command = [
-        *pin,
-        sys.executable,
-        "-m",
-        "duplexserve",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *args,
-    ]
-    proc = subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc, port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"server from {tree} did not start")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         for name, tree in (("A", args.a), ("B", args.b)) if rep % 2 == 0 else (("B", args.b), ("A", args.a)):
             extra = args.b_args.split() if name == "B" else []
             flags = ["--max-sessions", str(max(256, args.concurrency)), *extra]
-            proc, port = start(os.path.abspath(tree), flags)
+            proc, port = serve_tree(os.path.abspath(tree), flags, pin=True)
             try:
                 spec = LoadSpec(
                     url=f"ws://127.0.0.1:{port}/v1/duplex",

@@ -25,16 +25,14 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
 
 from duplexserve.bench import opus_capacity as cap
+from duplexserve.bench.servers import serve_tree
 from duplexserve.loadgen import metrics as lm
 from duplexserve.loadgen.pacer import Pacer
 from duplexserve.loadgen.scrape import scrape
@@ -155,38 +153,8 @@ async def run_level(
 
 def start_server(tree: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     """A server from the checkout at ``tree`` on a free port; returns it and its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "duplexserve",
-            "serve",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--max-sessions",
-            "1024",
-            "--idle-timeout-s",
-            "120",
-            *flags,
-        ],
-        cwd=tree,
-        env=env,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-            return proc, f"ws://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server from {tree} did not start")
+    proc, port = serve_tree(tree, ["--max-sessions", "1024", "--idle-timeout-s", "120", *flags])
+    return proc, f"ws://127.0.0.1:{port}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,6 +28,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_tree(tree: str, flags: list[str], pin: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+    """``duplexserve serve`` from the checkout at ``tree`` (its package, not this one) on a
+    free port, optionally pinned to the server's core; returns once ``/health`` answers.
+    For A/B runs of two source trees in one machine minute."""
+    port = free_port()
+    taskset = ["taskset", "-c", str(SERVER_CPU)] if pin and can_pin() else []
+    command = [*taskset, sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
+               "--log-level", "warning", *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server from {tree} did not start")
+
+
 def can_pin() -> bool:
     """Two cores or more: the client's own affinity may already be narrowed by :func:`pin_client`."""
     return shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
