@@ -258,10 +258,11 @@ def test_resume_with_g711_returns_every_frame_once(echo_server, fmt):
 def test_resume_with_opus_starts_new_ogg_streams_both_ways(echo_server):
     from duplexserve.codecs.opus import OpusStreamEncoder
 
-    def ogg_stream(frames: int, seed: int) -> list[bytes]:
+    def ogg_stream(frames: int, seed: int, start: int = 0) -> list[bytes]:
+        """Frames ``start`` on of the signal, as a new Ogg stream (headers first)."""
         encoder = OpusStreamEncoder()
         audio = noise(frames, seed=seed) * 0.3
-        return [encoder.encode(audio[i * 1920 : (i + 1) * 1920]) for i in range(frames)]
+        return [encoder.encode(audio[i * 1920 : (i + 1) * 1920]) for i in range(start, frames)]
 
     query = "input_format=opus&output_format=opus"
 
@@ -274,7 +275,7 @@ def test_resume_with_opus_starts_new_ogg_streams_both_ways(echo_server):
         first = await client.resume()
         assert first["type"] == "session.resumed"
         # The client's Opus input starts a new Ogg stream: from frame frames_in on.
-        fresh = ogg_stream(24, 20)[first["frames_in"] :]
+        fresh = ogg_stream(24, 20, start=first["frames_in"])
         client.chunks = [b""] * first["frames_in"] + fresh
         await client.send(24)
         await client.finish()
