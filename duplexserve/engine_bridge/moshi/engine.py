@@ -88,8 +88,6 @@ class MoshiEngine(Engine):
         self.delay_frames = max((lm_config or {"delays": [0, 1]})["delays"])
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
         self._reset = np.zeros(num_slots, dtype=bool)  # slots to reset before the next step
-        self._exec = np.zeros(num_slots, dtype=bool)
-        self._decode = np.zeros(num_slots, dtype=bool)
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
