@@ -24,9 +24,10 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8998, "TCP port to listen on")
     ws: str = _opt(
-        "websockets-sansio",
-        "uvicorn WebSocket implementation (chosen by measurement, see docs/benchmarks.md)",
-        ("websockets-sansio", "websockets"),
+        "fast",
+        "WebSocket implementation: fast (uvicorn's sans-I/O protocol with our callback fast path,"
+        " server/ws_protocol.py) or one of uvicorn's own, over plain ASGI (docs/benchmarks.md)",
+        ("fast", "websockets-sansio", "websockets"),
     )
     log_level: str = _opt("info", "log level", ("critical", "error", "warning", "info", "debug"))
     model: str = _opt("", "model name reported to clients (default: named after the engine)")

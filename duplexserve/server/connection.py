@@ -1,16 +1,28 @@
-"""The asyncio layer shared by every protocol: one ASGI WebSocket, one session.
+"""The asyncio layer shared by every protocol: one WebSocket, one session.
 
-It only moves data: a reader feeds received messages to the protocol adapter, which
-feeds the session core; a writer takes the session's outgoing items in order and
-sends what the adapter renders. The reader stops reading while the session's input
-is paused, so a client that sends faster than the engine answers is held back by TCP
-instead of by memory. Transcoding that is not ``inline`` runs on the codec thread pool,
-or, for a ``remote`` codec (Opus), in a codec worker process (docs/codecs.md).
+It only moves data: received messages go to the protocol adapter, which feeds the
+session core; the session's outgoing items go, in order, to the adapter's renderer.
+Reading stops while the session's input is paused, so a client that sends faster than
+the engine answers is held back by TCP instead of by memory. Transcoding that is not
+``inline`` runs on the codec thread pool, or, for a ``remote`` codec (Opus), in a codec
+worker process (docs/codecs.md).
+
+Two ways to move the data, the same adapters on both:
+
+- the fast path, where the server offers the ``duplexserve.fast_socket`` extension
+  (server/ws_protocol.py, our uvicorn protocol): each message is handled in the receive
+  callback and each answer is sent from the engine-results callback, both run eagerly
+  (server/eager.py), so a message that needs no real wait costs no task, no future and
+  no queue; only a message that must wait (a codec in another process or thread) starts
+  a task, and the messages behind it queue up behind it in order while reading pauses;
+- the ASGI path anywhere else (another server, ``--ws websockets-sansio``): a reader
+  task and a writer task per session over ``receive`` and ``send``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -28,10 +40,12 @@ from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server import auth
+from duplexserve.server.eager import run_eager
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.session import Session
 from duplexserve.server.turnaround import FLUSH_FRAMES
+from duplexserve.server.ws_protocol import EXTENSION, FastWebSocketProtocol
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +95,14 @@ class Connection(ABC):
         self._abort_timer: asyncio.TimerHandle | None = None
         #: A resume took the session over while this connection still held it (half-open).
         self.replaced = False
+        #: The fast path's socket, once the session streams over it.
+        self._sock: FastWebSocketProtocol | None = None
+        self._done: asyncio.Future[str] | None = None  # fast path: why the streaming ended
+        self._gone: asyncio.Future[None] | None = None  # fast path: the connection is lost
+        self._lane: asyncio.Task[None] | None = None  # fast path: a message that had to wait
+        self._backlog: collections.deque[bytes | str] = collections.deque()
+        self._writing: asyncio.Task[None] | None = None  # fast path: an answer that had to wait
+        self._close_sent = False
 
     # ------------------------------------------------------------- adapter hooks
     @abstractmethod
@@ -114,33 +136,57 @@ class Connection(ABC):
             return
         session = self.session
         assert session is not None
-        session.notify = self._wake
-        reader = asyncio.create_task(self._guarded_read_loop(session))
-        writer = asyncio.create_task(self._write_loop(session))
-        self._tasks = (reader, writer)
+        sock = self.scope.get("extensions", {}).get(EXTENSION, {}).get("socket")
         try:
-            done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-            if self.replaced:
-                await self._say_replaced()
-            elif reader in done:  # the client went away: nobody is left to write to
-                if not session.closed and self.lost(session):
-                    return  # detached: the writer goes, the session stays for a resume
-                await asyncio.wait((writer,), timeout=1.0)
-            elif not session.closed and self.lost(session):  # the socket broke under the writer
-                return
-            else:  # the close was sent (or the socket broke): wait for the client's reply
-                await asyncio.wait((reader,), timeout=CLOSE_GRACE_S)
+            if sock is None or self.config.offload_every_frame:
+                await self._serve_tasks(session)
+            else:
+                await self._serve_fast(session, sock)
         finally:
             if self._abort_timer is not None:
                 self._abort_timer.cancel()
-            for task in self._tasks:
-                task.cancel()
+            for task in (*self._tasks, self._lane, self._writing):
+                if task is not None:
+                    task.cancel()
             if not self.replaced:
                 if not session.closed and not session.detached:
                     self.orch.close(session, "disconnected", errors.GOING_AWAY)
                 self.orch.pump(session)
             if session.timer is not None:
                 session.timer.flush()
+
+    async def _serve_tasks(self, session: Session) -> None:
+        """The ASGI path: a reader task and a writer task until the connection ends."""
+        session.notify = self._wake
+        reader = asyncio.create_task(self._read_loop(session))
+        writer = asyncio.create_task(self._write_loop(session))
+        self._tasks = (reader, writer)
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        if self.replaced:
+            await self._say_replaced()
+        elif reader in done:  # the client went away: nobody is left to write to
+            if not session.closed and self.lost(session):
+                return  # detached: the writer goes, the session stays for a resume
+            await asyncio.wait((writer,), timeout=1.0)
+        elif not session.closed and self.lost(session):  # the socket broke under the writer
+            return
+        else:  # the close was sent (or the socket broke): wait for the client's reply
+            await asyncio.wait((reader,), timeout=CLOSE_GRACE_S)
+
+    async def _serve_fast(self, session: Session, sock: FastWebSocketProtocol) -> None:
+        """The fast path: callbacks in, sends from wherever the answers come, no tasks."""
+        self._sock = sock
+        self._done, self._gone = self._loop.create_future(), self._loop.create_future()
+        session.notify = self._wake_fast
+        sock.start(self._on_message, self._on_lost, self._flush)
+        self._flush()
+        how = await self._done
+        if self.replaced:
+            await self._say_replaced()
+        elif how == "closed":  # wait for the client's reply (uvicorn's close timer bounds it)
+            await asyncio.wait((self._gone,), timeout=CLOSE_GRACE_S)
+        elif how != "aborted" and not session.closed:
+            self.lost(session)  # detached for a resume, or closed
 
     def lost(self, session: Session) -> bool:
         """The connection ended under an open session; True: it was detached for a resume.
@@ -152,8 +198,10 @@ class Connection(ABC):
     def take_over(self) -> None:
         """A resume took this connection's session: stop moving its data at once."""
         self.replaced = True
-        for task in self._tasks:
-            task.cancel()
+        for task in (*self._tasks, self._lane, self._writing):
+            if task is not None:
+                task.cancel()
+        self._stop("replaced")
 
     async def _say_replaced(self) -> None:
         """Tell a half-open connection it lost its session; never wait long on it."""
@@ -164,17 +212,11 @@ class Connection(ABC):
         """The protocol's goodbye to a connection whose session moved to a new one."""
         await self.close(errors.NORMAL, "replaced")
 
-    async def _guarded_read_loop(self, session: Session) -> None:
-        try:
-            await self._read_loop(session)
-        except Exception:  # a bug costs this session only, and says nothing internal
-            log.exception("session %s failed", session.id)
-            self.orch.close(session, "internal_error", errors.INTERNAL)
-
     def _abort(self) -> None:
         """A closed session whose client neither reads nor goes away: stop waiting for it."""
         for task in self._tasks:
             task.cancel()
+        self._stop("aborted")
 
     async def open_session(self, params: dict[str, Any] | None = None) -> bool:
         """Take a slot for this connection, or refuse it in the protocol's own form."""
@@ -196,13 +238,28 @@ class Connection(ABC):
         await self._send(message)
 
     async def send_bytes(self, data: bytes) -> None:
-        await self._send({"type": "websocket.send", "bytes": data})
+        sock = self._sock
+        if sock is not None:
+            sock.send_bytes(data)
+        else:
+            await self._send({"type": "websocket.send", "bytes": data})
+
+    async def send_text(self, text: str) -> None:
+        sock = self._sock
+        if sock is not None:
+            sock.send_text(text)
+        else:
+            await self._send({"type": "websocket.send", "text": text})
 
     async def send_json(self, payload: Any) -> None:
-        await self._send({"type": "websocket.send", "text": json.dumps(payload)})
+        await self.send_text(json.dumps(payload))
 
     async def close(self, code: int, reason: str = "") -> None:
-        await self._send({"type": "websocket.close", "code": code, "reason": reason})
+        sock = self._sock
+        if sock is not None:
+            sock.close(code, reason)
+        else:
+            await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
     async def refuse(self, code: int, error: str, message: str) -> None:
         """Accept only to say why not, then close: a client can show the reason.
@@ -276,9 +333,48 @@ class Connection(ABC):
         if waiter is not None and not waiter.done() and not session.input_paused:
             waiter.set_result(None)
 
+    async def _receive_one(self, data: bytes | str) -> None:
+        """One received message through the adapter into the session, and onward."""
+        session = self.session
+        assert session is not None
+        session.last_activity = self._loop.time()
+        try:
+            if len(data) > self.config.max_message_bytes:
+                raise SessionError(
+                    "message_too_big",
+                    f"message of {len(data)} bytes is over the limit of {self.config.max_message_bytes}",
+                    errors.TOO_BIG,
+                )
+            if data.__class__ is str:
+                await self.on_text(data)  # type: ignore[arg-type]
+            else:
+                await self.on_binary(data)  # type: ignore[arg-type]
+        except SessionError as exc:
+            session.error(exc)
+        except Exception:  # a bug costs this session only, and says nothing internal
+            log.exception("session %s failed", session.id)
+            self.orch.close(session, "internal_error", errors.INTERNAL)
+        self.orch.pump(session)
+        if session.has_outgoing:
+            session.notify()
+
+    async def _send_item(self, item: Outgoing) -> None:
+        """One outgoing item on the wire; after a ClosedOut, the close frame too."""
+        await self.render(item)
+        cls = item.__class__
+        if cls is AudioOut:
+            timer = self.session.timer if self.session is not None else None
+            if timer is not None:  # in order: the index is implied
+                timer.sent_times.append(self._loop.time())
+                if len(timer.sent_times) >= FLUSH_FRAMES:
+                    timer.flush()
+        elif cls is ClosedOut:
+            await self.close(item.close_code, item.reason)  # type: ignore[attr-defined]
+            self._close_sent = True
+
+    # ------------------------------------------------------------ the ASGI path
     async def _read_loop(self, session: Session) -> None:
-        receive, orch, loop = self._receive, self.orch, self._loop
-        max_bytes = self.config.max_message_bytes
+        receive, loop = self._receive, self._loop
         while True:
             if session.input_paused and not session.closed:
                 self._reader_wait = loop.create_future()
@@ -287,35 +383,11 @@ class Connection(ABC):
             message = await receive()
             if message["type"] != "websocket.receive":
                 return  # websocket.disconnect
-            session.last_activity = loop.time()
             data = message.get("bytes")
-            try:
-                if data is not None:
-                    if len(data) > max_bytes:
-                        raise SessionError(
-                            "message_too_big",
-                            f"message of {len(data)} bytes is over the limit of {max_bytes}",
-                            errors.TOO_BIG,
-                        )
-                    await self.on_binary(data)
-                else:
-                    text = message.get("text") or ""
-                    if len(text) > max_bytes:
-                        raise SessionError(
-                            "message_too_big",
-                            f"message of {len(text)} bytes is over the limit of {max_bytes}",
-                            errors.TOO_BIG,
-                        )
-                    await self.on_text(text)
-            except SessionError as exc:
-                session.error(exc)
-            orch.pump(session)
-            if session.has_outgoing:
-                self._wake()
+            await self._receive_one(data if data is not None else message.get("text") or "")
 
     async def _write_loop(self, session: Session) -> None:
-        loop, timer = self._loop, session.timer
-        sent_times = timer.sent_times if timer is not None else []
+        loop = self._loop
         try:
             while True:
                 item = session.pop_outgoing()
@@ -324,15 +396,91 @@ class Connection(ABC):
                     await self._writer_wait
                     self._writer_wait = None
                     continue
-                await self.render(item)
-                if item.__class__ is AudioOut and timer is not None:  # in order: index implied
-                    sent_times.append(loop.time())
-                    if len(sent_times) >= FLUSH_FRAMES:
-                        timer.flush()
-                elif item.__class__ is ClosedOut:
-                    await self.close(item.close_code, item.reason)
+                await self._send_item(item)
+                if self._close_sent:
                     return
         except (OSError, RuntimeError, asyncio.CancelledError):
             return  # the client is gone; the reader sees the disconnect
         except Exception:
             log.debug("writer of session %s stopped", session.id, exc_info=True)
+
+    # ------------------------------------------------------------ the fast path
+    def _stop(self, how: str) -> None:
+        done = self._done
+        if done is not None and not done.done():
+            done.set_result(how)
+
+    def _on_lost(self) -> None:
+        self._stop("lost")
+        gone = self._gone
+        if gone is not None and not gone.done():
+            gone.set_result(None)
+
+    def _on_message(self, data: bytes | str) -> None:
+        if self.replaced:
+            return
+        if self._lane is not None:  # an earlier message still waits: this one goes after it
+            self._backlog.append(data)
+            return
+        lane = run_eager(self._receive_one(data))
+        session = self.session
+        assert session is not None and self._sock is not None
+        if lane is not None:
+            self._lane = lane
+            self._sock.pause_reading()
+            lane.add_done_callback(self._lane_done)
+        elif session.input_paused and not session.closed:
+            self._sock.pause_reading()
+
+    def _lane_done(self, _: asyncio.Task[None]) -> None:
+        self._lane = None
+        backlog = self._backlog
+        while backlog and self._lane is None and not self.replaced:
+            self._on_message(backlog.popleft())
+        if self._lane is None:
+            self._wake_fast()
+
+    def _wake_fast(self) -> None:
+        session, sock = self.session, self._sock
+        assert session is not None and sock is not None
+        if session.closed and self._abort_timer is None:
+            self._abort_timer = self._loop.call_later(CLOSE_GRACE_S, self._abort)
+        self._flush()
+        if self._lane is None and not session.input_paused:
+            sock.resume_reading()
+
+    def _flush(self) -> None:
+        """Send what the session has queued, while the transport takes it."""
+        if self._writing is not None or self.replaced or self._close_sent:
+            return
+        session, sock = self.session, self._sock
+        assert session is not None and sock is not None
+        while sock.can_write:
+            item = session.pop_outgoing()
+            if item is None:
+                return
+            try:
+                writing = run_eager(self._send_item(item))
+            except Exception as exc:  # the client is gone (or a bug): this session ends
+                if not isinstance(exc, (OSError, RuntimeError)):
+                    log.exception("writer of session %s failed", session.id)
+                self._stop("broken")
+                return
+            if writing is not None:
+                self._writing = writing
+                writing.add_done_callback(self._writing_done)
+                return
+            if self._close_sent:
+                self._stop("closed")
+                return
+
+    def _writing_done(self, task: asyncio.Task[None]) -> None:
+        self._writing = None
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self._stop("broken")
+        elif self._close_sent:
+            self._stop("closed")
+        else:
+            self._flush()

@@ -303,13 +303,8 @@ class RealtimeConnection(Connection):
                 await self._emit(event)
             if response is not None:
                 delta = binascii.b2a_base64(await self.encode(audio), newline=False).decode("ascii")
-                await self._send(
-                    {
-                        "type": "websocket.send",
-                        "text": ev.audio_delta_json(
-                            self._new_id("event"), response.id, response.item_id, delta
-                        ),
-                    }
+                await self.send_text(
+                    ev.audio_delta_json(self._new_id("event"), response.id, response.item_id, delta)
                 )
             for event in after:
                 await self._emit(event)

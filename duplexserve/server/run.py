@@ -19,6 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.config import ServerConfig
 from duplexserve.server.app import DuplexApp, create_app
+from duplexserve.server.ws_protocol import FastWebSocketProtocol
 
 log = logging.getLogger("duplexserve")
 
@@ -95,7 +96,7 @@ def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
         port=config.port,
         loop="uvloop",
         http=handshake_limited(config.handshake_timeout_s),
-        ws=config.ws,
+        ws=FastWebSocketProtocol if config.ws == "fast" else config.ws,
         ws_per_message_deflate=False,
         # A hard backstop above our own limit, which answers with an error event first.
         ws_max_size=2 * config.max_message_bytes + 1024,

@@ -256,16 +256,13 @@ class TwilioConnection(Connection):
         self._marks.append((self._frames_sent, self._loop.time()))
         self._marks_sent += 1
         COUNTS.marks_sent += 1
-        await self._send({"type": "websocket.send", "text": wire.media_json(self._sid_json, payload)})
-        await self._send({
-            "type": "websocket.send",
-            "text": wire.mark_json(self._sid_json, f"frames-{self._frames_sent}"),
-        })
+        await self.send_text(wire.media_json(self._sid_json, payload))
+        await self.send_text(wire.mark_json(self._sid_json, f"frames-{self._frames_sent}"))
 
     async def _end(self, item: ClosedOut) -> None:
         if item.reason not in _CALL_GONE and self._frames_sent > self._played:
             COUNTS.clears_sent += 1  # the session is over: drop what Twilio still holds of it
-            await self._send({"type": "websocket.send", "text": wire.clear_json(self._sid_json)})
+            await self.send_text(wire.clear_json(self._sid_json))
         log.info(
             "twilio call %s ended (%s): frames in %d, out %d, dropped %d; marks sent %d, echoed %d,"
             " mean mark delay %.0f ms, most audio queued at Twilio %d ms; messages dropped %s",

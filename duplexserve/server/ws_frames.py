@@ -1,0 +1,117 @@
+"""WebSocket frames of the hot path, read and written without websockets' generators.
+
+Sans-I/O, like the library it leans on: bytes go in with :meth:`FrameReader.feed`, and
+:meth:`FrameReader.next` hands out one received message at a time. Only the common
+case is parsed here: a complete, final, masked text or binary frame with no reserved
+bits, within the size limit, on an open connection that is not inside a fragmented
+message and has no extension. Its payload is unmasked with websockets' C
+``apply_mask`` (the one copy the library would make too). Every other frame, control
+frames, fragments and anything malformed or too large, is handed *whole* to
+websockets' ``ServerProtocol``, which applies the rest of RFC 6455 (masking, control
+frame rules, continuation, UTF-8 of fragmented text, the close handshake) and produces
+its own events and errors. Because the library only ever gets whole frames, its
+parser is at a frame boundary whenever the next frame comes, whichever side parses it.
+
+Written frames are a header built here plus the payload as it is (server frames are
+not masked), handed to the transport together so the payload is not copied.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from websockets.protocol import OPEN
+from websockets.server import ServerProtocol
+
+try:
+    from websockets.speedups import apply_mask
+except ImportError:  # pragma: no cover - websockets without its C extension
+    from websockets.utils import apply_mask
+
+#: First header byte of a final unfragmented frame without reserved bits.
+FIN_TEXT = 0x81
+FIN_BINARY = 0x82
+#: :meth:`FrameReader.next` handed a frame to websockets: read ``conn.events_received()``.
+HANDED = object()
+
+_LENGTH16 = struct.Struct("!BBH")
+_LENGTH64 = struct.Struct("!BBQ")
+
+
+def header(first: int, length: int) -> bytes:
+    """The header of an unmasked frame (server to client) with ``length`` bytes of payload."""
+    if length < 126:
+        return bytes((first, length))
+    if length < 65536:
+        return _LENGTH16.pack(first, 126, length)
+    return _LENGTH64.pack(first, 127, length)
+
+
+class FrameReader:
+    """Client frames in; whole messages (or "see the library's events") out, in order."""
+
+    def __init__(self, conn: ServerProtocol, max_size: int | None) -> None:
+        self.conn = conn
+        self.max_size = max_size if max_size is not None else 1 << 63
+        self._buf: bytes = b""
+        self._pos = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet parsed (at most one partial frame, or more while held)."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        if self._pos < len(self._buf):  # a partial frame waits: the only copy, of that part
+            self._buf = self._buf[self._pos :] + data
+        else:
+            self._buf = data
+        self._pos = 0
+
+    def next(self) -> tuple[bytes, bool] | object | None:
+        """One message ``(payload, is_text)``, :data:`HANDED`, or None until more bytes come."""
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if avail < 2:
+            return None
+        conn = self.conn
+        if conn.state is not OPEN:  # closing: the library takes every byte from here on
+            return self._hand(avail)
+        first, second = buf[pos], buf[pos + 1]
+        length = second & 0x7F
+        head = 2
+        if length == 126:
+            if avail < 4:
+                return None
+            length = (buf[pos + 2] << 8) | buf[pos + 3]
+            head = 4
+        elif length == 127:
+            if avail < 10:
+                return None
+            length = int.from_bytes(buf[pos + 2 : pos + 10], "big")
+            head = 10
+        if length > self.max_size:
+            return self._hand(avail)  # the library refuses it from the header: 1009 (or 1002)
+        masked = second & 0x80
+        end = head + (4 if masked else 0) + length
+        if avail < end:
+            return None
+        if (
+            first in (FIN_BINARY, FIN_TEXT)
+            and masked
+            and conn.current_size is None  # not inside a fragmented message
+            and not conn.extensions
+        ):
+            start = pos + head + 4
+            self._pos = pos + end
+            payload = apply_mask(memoryview(buf)[start : pos + end], buf[start - 4 : start])
+            return payload, first == FIN_TEXT
+        return self._hand(end)
+
+    def _hand(self, size: int) -> object:
+        """Give the next ``size`` bytes (one whole frame, or what a refused header came in) to
+        websockets; its events and any error are the caller's to read."""
+        pos = self._pos
+        self._pos = pos + size
+        self.conn.receive_data(self._buf[pos : pos + size])
+        return HANDED

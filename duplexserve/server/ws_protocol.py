@@ -1,0 +1,201 @@
+"""uvicorn's sans-I/O WebSocket protocol with a callback fast path for the app.
+
+uvicorn stays in charge of the HTTP upgrade, the handshake messages, refusals (403 and
+``websocket.http.response``), keepalive pings, server shutdown and the close timer. What
+changes is the per-message path once the app has accepted: through the scope extension
+``duplexserve.fast_socket`` the app may call :meth:`FastWebSocketProtocol.start` and from
+then on
+
+- each received message is a call ``on_message(bytes | str)``: no ASGI dict, no queue,
+  no task wake-up, and no ``pause_reading`` per message; reading pauses only when the app
+  says so (:meth:`pause_reading`, :meth:`resume_reading`);
+- :meth:`send_bytes` and :meth:`send_text` write one frame to the transport at once;
+  :attr:`writable` says whether the transport is under its high-water mark and
+  ``on_writable`` is called when it drains again;
+- ``on_lost`` is called once when the connection is gone.
+
+Frames are read by :class:`duplexserve.server.ws_frames.FrameReader` (the common data
+frame here, everything else by websockets). Written against uvicorn 0.54 and websockets
+17, both pinned in pyproject.toml: the subclass reads their internals. An app that does
+not call ``start`` gets exactly uvicorn's behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.utils import ClientDisconnected
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from duplexserve.server.ws_frames import FIN_BINARY, FIN_TEXT, HANDED, FrameReader, header
+
+EXTENSION = "duplexserve.fast_socket"
+
+OnMessage = Callable[[Any], None]  # bytes (binary) or str (text)
+
+
+def _ignore(*_: Any) -> None:
+    pass
+
+
+class FastWebSocketProtocol(WebSocketsSansIOProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reader = FrameReader(self.conn, self.config.ws_max_size)
+        self._on_message: OnMessage | None = None
+        self._on_lost: Callable[[], None] = _ignore
+        self._on_writable: Callable[[], None] = _ignore
+        self._held = False  # the app asked to stop reading
+        self._parsing = False
+
+    # ----------------------------------------------------------------- the app's API
+    def start(
+        self, on_message: OnMessage, on_lost: Callable[[], None], on_writable: Callable[[], None]
+    ) -> None:
+        """Switch this accepted connection to callbacks; messages that arrived before are
+        delivered first, in order."""
+        self._on_message, self._on_lost, self._on_writable = on_message, on_lost, on_writable
+        lost = False
+        while not self.queue.empty():
+            event = self.queue.get_nowait()
+            if event["type"] == "websocket.receive":
+                text = event.get("text")
+                on_message(text if text is not None else event["bytes"])
+            elif event["type"] == "websocket.disconnect":
+                lost = True
+        if self.read_paused and not self._held:  # uvicorn's pause per message: ours from here on
+            self.read_paused = False
+            self.transport.resume_reading()
+        if lost or self.disconnected:
+            self.connection_gone()
+
+    @property
+    def can_write(self) -> bool:
+        """False while the transport's buffer is over its high-water mark."""
+        return self.writable.is_set()
+
+    def send_bytes(self, data: bytes | bytearray | memoryview) -> None:
+        if self.close_sent or self.disconnected:
+            raise ClientDisconnected()
+        self.transport.writelines((header(FIN_BINARY, len(data)), data))
+
+    def send_text(self, text: str) -> None:
+        if self.close_sent or self.disconnected:
+            raise ClientDisconnected()
+        data = text.encode()
+        self.transport.writelines((header(FIN_TEXT, len(data)), data))
+
+    def close(self, code: int, reason: str = "") -> None:
+        """Start the closing handshake; the peer's reply (or the close timer) ends it."""
+        if self.close_sent or self.disconnected or self.transport.is_closing():
+            return
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+        self.conn.send_close(code, reason)
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        self.close_timer = self.loop.call_later(self.close_timeout, self.transport.close)
+        self.resume_reading()  # the reply must come through
+
+    def pause_reading(self) -> None:
+        if not self._held:
+            self._held = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        if self.reader.buffered:  # frames that came while held go first
+            self.loop.call_soon(self._parse_then_read)
+        else:
+            self.transport.resume_reading()
+
+    # ------------------------------------------------------------ transport events
+    def data_received(self, data: bytes) -> None:
+        if not self.handshake_initiated:  # the upgrade request, replayed by uvicorn
+            super().data_received(data)
+            return
+        self.reader.feed(data)
+        if not self.handshake_complete:  # frames before our 101: held until the accept
+            if not self.read_paused:
+                self.read_paused = True
+                self.transport.pause_reading()
+            return
+        self._parse()
+
+    def _parse_then_read(self) -> None:
+        self._parse()
+        if not self._held and not self.read_paused:
+            self.transport.resume_reading()
+
+    def _parse(self) -> None:
+        if self._parsing:  # a callback resumed reading: the loop below goes on
+            return
+        self._parsing = True
+        reader, conn, transport = self.reader, self.conn, self.transport
+        try:
+            while not self._held and not transport.is_closing():
+                item = reader.next()
+                if item is None:
+                    return
+                if item is HANDED:
+                    if conn.parser_exc is not None:
+                        self.handle_parser_exception()
+                        return
+                    self.handle_events()
+                elif self._on_message is not None:
+                    self._deliver(*item)  # type: ignore[misc]
+                else:  # before start: through uvicorn's queue, like the library's frames
+                    payload, is_text = item  # type: ignore[misc]
+                    self.curr_msg_data_type = "text" if is_text else "bytes"
+                    self.frames = [payload]
+                    self.send_receive_event_to_app()
+        finally:
+            self._parsing = False
+
+    def send_receive_event_to_app(self) -> None:
+        if self._on_message is None:
+            super().send_receive_event_to_app()
+            return
+        data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+        self.frames = []
+        self._deliver(data, self.curr_msg_data_type == "text")
+
+    def _deliver(self, data: bytes, is_text: bool) -> None:
+        if self.close_sent:
+            return  # past our close: reading on only for the peer's reply
+        if is_text:
+            try:
+                message: Any = data.decode()
+            except UnicodeDecodeError:
+                self.conn.fail(1007, "invalid UTF-8 in a text message")
+                self.handle_parser_exception()
+                return
+        else:
+            message = data
+        self._on_message(message)  # type: ignore[misc]
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if self.handshake_complete and self.reader.buffered and not self.close_sent:
+            self._parse()  # frames that came before the accept
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._on_writable()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.connection_gone()
+
+    def connection_gone(self) -> None:
+        self._on_message = None
+        on_lost, self._on_lost = self._on_lost, _ignore
+        on_lost()
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # a 101 may follow: the app may take the fast path
+            scope["extensions"][EXTENSION] = {"socket": self}
