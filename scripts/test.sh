@@ -8,3 +8,9 @@ cd "$(dirname "$0")/.."
 ./scripts/install-moshi.sh  # the moshi engine's torch + moshi, pinned (see the script)
 .venv/bin/ruff check duplexserve tests
 .venv/bin/python -m pytest -q "$@"
+# The protocol, codec and reliability tests again over uvicorn's own ASGI path: the
+# fallback where the fast path's scope extension is absent (docs/architecture.md).
+DUPLEXSERVE_WS=websockets-sansio .venv/bin/python -m pytest -q \
+  tests/test_native_protocol.py tests/test_realtime_protocol.py tests/test_moshi_protocol.py \
+  tests/test_twilio.py tests/test_twilio_bad_input.py tests/test_resume.py tests/test_reliability.py \
+  tests/test_formats_server.py tests/test_deadlines.py tests/test_fuzz.py tests/test_codec_batching.py

@@ -9,11 +9,14 @@ from duplexserve.codecs.formats import FormatError
 _S16_SCALE = np.float32(32768.0)
 
 
+_F32 = np.dtype("<f4")  # parsed once: a dtype string costs a parse per call
+
+
 def f32_view(data: bytes | memoryview) -> np.ndarray:
     """The received bytes seen as float32 samples, without copying them."""
     if len(data) % 4:
         raise FormatError(f"pcm_f32le audio must be a multiple of 4 bytes, got {len(data)}")
-    return np.frombuffer(data, dtype="<f4")
+    return np.frombuffer(data, dtype=_F32)
 
 
 def s16_to_f32(data: bytes | memoryview) -> np.ndarray:

@@ -455,24 +455,28 @@ class Connection(ABC):
             return
         session, sock = self.session, self._sock
         assert session is not None and sock is not None
-        while sock.can_write:
-            item = session.pop_outgoing()
-            if item is None:
-                return
-            try:
-                writing = run_eager(self._send_item(item))
-            except Exception as exc:  # the client is gone (or a bug): this session ends
-                if not isinstance(exc, (OSError, RuntimeError)):
-                    log.exception("writer of session %s failed", session.id)
-                self._stop("broken")
-                return
-            if writing is not None:
-                self._writing = writing
-                writing.add_done_callback(self._writing_done)
-                return
-            if self._close_sent:
-                self._stop("closed")
-                return
+        sock.cork()
+        try:
+            while sock.can_write:
+                item = session.pop_outgoing()
+                if item is None:
+                    return
+                try:
+                    writing = run_eager(self._send_item(item))
+                except Exception as exc:  # the client is gone (or a bug): this session ends
+                    if not isinstance(exc, (OSError, RuntimeError)):
+                        log.exception("writer of session %s failed", session.id)
+                    self._stop("broken")
+                    return
+                if writing is not None:
+                    self._writing = writing
+                    writing.add_done_callback(self._writing_done)
+                    return
+                if self._close_sent:
+                    self._stop("closed")
+                    return
+        finally:
+            sock.uncork()
 
     def _writing_done(self, task: asyncio.Task[None]) -> None:
         self._writing = None

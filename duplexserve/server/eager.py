@@ -11,6 +11,7 @@ same; 3.11 is supported.)
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine
 from typing import Any
 
@@ -21,7 +22,21 @@ def run_eager(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[None] | None:
         waiting = coro.send(None)
     except StopIteration:
         return None
-    return asyncio.get_running_loop().create_task(_finish(coro, waiting))
+    task = asyncio.get_running_loop().create_task(_finish(coro, waiting))
+    task.add_done_callback(functools.partial(_unwind, coro))
+    return task
+
+
+def _unwind(coro: Coroutine[Any, Any, Any], _: asyncio.Task[None]) -> None:
+    """A task cancelled before its first step never ran ``_finish``: cancel ``coro`` here,
+    so its ``finally`` blocks run now rather than whenever it is collected."""
+    if coro.cr_frame is None:  # finished
+        return
+    try:
+        coro.throw(asyncio.CancelledError())
+    except BaseException:  # noqa: S110 - the CancelledError (or what its cleanup raised)
+        return
+    coro.close()  # it tried to wait again while cleaning up: stop it there
 
 
 async def _finish(coro: Coroutine[Any, Any, Any], waiting: Any) -> None:

@@ -90,15 +90,13 @@ class FrameReader:
                 return None
             length = int.from_bytes(buf[pos + 2 : pos + 10], "big")
             head = 10
-        if length > self.max_size:
-            return self._hand(avail)  # the library refuses it from the header: 1009 (or 1002)
-        masked = second & 0x80
-        end = head + (4 if masked else 0) + length
+        if length > self.max_size or not second & 0x80:
+            return self._hand(avail)  # refused from the header: too big (1009), unmasked (1002)
+        end = head + 4 + length
         if avail < end:
             return None
         if (
             first in (FIN_BINARY, FIN_TEXT)
-            and masked
             and conn.current_size is None  # not inside a fragmented message
             and not conn.extensions
         ):

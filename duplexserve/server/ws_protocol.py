@@ -31,6 +31,8 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from duplexserve.server.ws_frames import FIN_BINARY, FIN_TEXT, HANDED, FrameReader, header
 
 EXTENSION = "duplexserve.fast_socket"
+#: Corked frames are written once they reach this many bytes.
+CORK_LIMIT = 1 << 16
 
 OnMessage = Callable[[Any], None]  # bytes (binary) or str (text)
 
@@ -48,6 +50,8 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         self._on_writable: Callable[[], None] = _ignore
         self._held = False  # the app asked to stop reading
         self._parsing = False
+        self._corked: list[Any] | None = None  # frames collected for one write
+        self._corked_bytes = 0
 
     # ----------------------------------------------------------------- the app's API
     def start(
@@ -76,18 +80,39 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         return self.writable.is_set()
 
     def send_bytes(self, data: bytes | bytearray | memoryview) -> None:
-        if self.close_sent or self.disconnected:
-            raise ClientDisconnected()
-        self.transport.writelines((header(FIN_BINARY, len(data)), data))
+        self._write(FIN_BINARY, data)
 
     def send_text(self, text: str) -> None:
+        self._write(FIN_TEXT, text.encode())
+
+    def _write(self, first: int, data: bytes | bytearray | memoryview) -> None:
         if self.close_sent or self.disconnected:
             raise ClientDisconnected()
-        data = text.encode()
-        self.transport.writelines((header(FIN_TEXT, len(data)), data))
+        parts = self._corked
+        if parts is None:
+            self.transport.writelines((header(first, len(data)), data))
+            return
+        parts.append(header(first, len(data)))
+        parts.append(data)
+        self._corked_bytes += len(data)
+        if self._corked_bytes > CORK_LIMIT:  # write now, so ``can_write`` sees these bytes
+            self.uncork()
+            self.cork()
+
+    def cork(self) -> None:
+        """Frames sent from now until :meth:`uncork` go out in one write: one system call
+        for, say, an audio frame and its text."""
+        self._corked = []
+        self._corked_bytes = 0
+
+    def uncork(self) -> None:
+        parts, self._corked = self._corked, None
+        if parts and not self.transport.is_closing():
+            self.transport.writelines(parts)
 
     def close(self, code: int, reason: str = "") -> None:
         """Start the closing handshake; the peer's reply (or the close timer) ends it."""
+        self.uncork()  # what was sent before goes before the close frame
         if self.close_sent or self.disconnected or self.transport.is_closing():
             return
         self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
