@@ -72,6 +72,14 @@ class ServerConfig:
         " head: half the memory a session, not exact (docs/moshi-engine.md)",
         ("bf16", "int8"),
     )
+    moshi_depformer: str = _opt(
+        "stock",
+        "moshi engine: the depformer's attention as the library runs it (stock: a position table and a"
+        " masked SDPA per layer and codebook) or over the live slots of its ring without a mask (lean:"
+        " the same keys and values, equal to stock in float64 on the CPU; slower on the H200 as"
+        " measured with the flash kernel, docs/benchmarks.md)",
+        ("stock", "lean"),
+    )
     vllm_omni_model: str = _opt("", "vllm-omni engine: model (HF id or local path) DuplexOmniEngine serves")
     vllm_omni_deploy_config: str = _opt("", "vllm-omni engine: deploy YAML (session_mode: duplex)")
     vllm_omni_args: str = _opt("", "vllm-omni engine: JSON object of further DuplexOmni keyword arguments")

@@ -3,9 +3,10 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
-#   rtf-MODEL-N[-process][-stock][-int8][-ctxC]
+#   rtf-MODEL-N[-process][-stock][-int8][-lean][-ctxC]
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
-#                           own process, moshi's stock attention, 8-bit KV, LM context C
+#                           own process, moshi's stock attention, 8-bit KV, the depformer's
+#                           unmasked attention (--moshi-depformer lean), LM context C
 #   breakdown | attention | agreement
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1)
 set -uo pipefail
@@ -26,6 +27,10 @@ for phase in "$@"; do
         --out "$OUT/steps-hibiki.json" ;;
     breakdown|attention|agreement)
       python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
+    breakdown-*|agreement-*)
+      # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
+      part="${phase%%-*}"; suffix="${phase#*-}"; var="MOSHI_STEP_ARGS_${suffix^^}"
+      python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$phase.json" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"
       preset=$([ "${parts[1]}" = moshi7b ] && echo moshi-7b || echo hibiki-2b)
@@ -35,6 +40,7 @@ for phase in "$@"; do
         [ "$extra" = process ] && flags+=(--engine-process)
         [ "$extra" = stock ] && flags+=(--attention stock)
         [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
+        [ "$extra" = lean ] && flags+=(--depformer lean)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
       done
       python3 -m duplexserve bench moshi-rtf --preset "$preset" --sessions "$n" "${flags[@]}" \

@@ -94,8 +94,8 @@ def run_sessions(engine: MoshiEngine) -> tuple[list[np.ndarray], list[np.ndarray
     return [np.stack(o) for o in outputs], [np.stack(t) for t in tokens], inputs
 
 
-@pytest.mark.parametrize("attention", ["live", "stock"])
-def test_every_session_equals_kyutais_batch1_loop(attention):
+@pytest.mark.parametrize("attention,depformer", [("live", "stock"), ("stock", "stock"), ("live", "lean")])
+def test_every_session_equals_kyutais_batch1_loop(attention, depformer):
     engine = MoshiEngine(
         4,
         "tiny",
@@ -104,6 +104,7 @@ def test_every_session_equals_kyutais_batch1_loop(attention):
         threads=1,
         attention=attention,
         dtype="float64",
+        depformer=depformer,
     )
     engine.start()
     try:
@@ -181,6 +182,45 @@ def test_int8_engine_answers_like_bf16_on_the_tiny_preset():
             engine.stop()
     same = np.concatenate([(a == b).ravel() for a, b in zip(*outputs.values(), strict=True)])
     assert same.mean() >= 0.5
+
+
+@pytest.mark.parametrize("depformer_context", [8, 2, None])
+def test_lean_depformer_gives_the_stock_logits_bit_for_bit(depformer_context):
+    """``--moshi-depformer lean``: the depformer's codebook loop (LMGen.depformer_step)
+    with the unmasked attention over the ring's live slots gives stock moshi's logits
+    and tokens, in float64 bit for bit; a context of 8 holds the tiny preset's 4 steps, 2
+    wraps the ring (as hibiki-2b's 16 steps wrap its 8), None sizes it by the steps."""
+    import torch
+    from moshi.models import LMGen, loaders
+
+    from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
+    from duplexserve.engine_bridge.moshi.presets import TINY_LM
+
+    torch.manual_seed(0)
+    kwargs = {**TINY_LM, "context": CONTEXT, "depformer_context": depformer_context}
+    stock = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float64)
+    lean = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float64)
+    lean.load_state_dict(stock.state_dict())
+    assert install_lean_depformer(lean)
+    assert not install_lean_depformer(stock.transformer)  # no depformer: refused
+    results = []
+    for lm in (stock, lean):
+        logits: list = []
+        forward = lm.forward_depformer
+        lm.forward_depformer = lambda *a, f=forward, out=logits: out.append(f(*a)) or out[-1]
+        gen = LMGen(lm, use_sampling=False)
+        rng = torch.Generator().manual_seed(1)
+        tokens = []
+        with torch.no_grad():
+            for _ in range(6):
+                text = torch.randint(0, TINY_LM["text_card"], (5,), generator=rng)
+                hidden = torch.randn(5, 1, TINY_LM["dim"], generator=rng, dtype=torch.float64)
+                tokens.append(gen.depformer_step(text, hidden))
+        results.append((torch.stack(tokens), torch.stack(logits)))
+    (stock_tokens, stock_logits), (lean_tokens, lean_logits) = results
+    assert stock_logits.abs().max() > 0
+    assert (stock_logits == lean_logits).all()
+    assert (stock_tokens == lean_tokens).all()
 
 
 def test_the_memory_plan_refuses_what_cannot_fit_with_the_numbers():

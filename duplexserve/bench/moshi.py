@@ -233,6 +233,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
         *(["--moshi-context", str(args.context)] if args.context else []),
         "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
+        "--moshi-depformer", args.depformer,
     ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -294,6 +295,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "context": args.context or "preset",
         "attention": args.attention,
         "kv_dtype": args.kv_dtype,
+        "depformer": args.depformer,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
         "startup_s": startup,
@@ -344,6 +346,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--context", type=int, default=0)
     r.add_argument("--attention", default="live", choices=("live", "stock"))
     r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
+    r.add_argument("--depformer", default="stock", choices=("stock", "lean"))
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")
     r.add_argument("--out", default="")

@@ -7,8 +7,12 @@
                beside each row.
     attention  one layer's attention alone: stock (moshi's per-layer positions and mask,
                SDPA over the whole ring) against the live-prefix kernel, by live length.
-    agreement  each session of a batched bf16 run against Kyutai's batch-1 loop on the
-               same weights, greedy: share of identical tokens and the audio's SNR.
+    agreement  each session of batched variants (attention, KV dtype, depformer) against
+               Kyutai's batch-1 loop and against the first variant, on the same weights,
+               greedy: share of identical tokens (text, audio), the frame where the
+               streams first part, the output audio's SNR (raw, and of the part that
+               differs between inputs); and, as the floor, each session of the first
+               variant against another input's.
 
 Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
 """
@@ -141,10 +145,12 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",")]
     ages = [int(a) for a in args.ages.split(",")]
     rows = []
-    for attention in args.attention.split(","):
+    builds = [(a, d) for a in args.attention.split(",") for d in args.depformer.split(",")]
+    for attention, depformer in builds:
         engine = MoshiEngine(
-            batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype
-        )
+            batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
+            depformer=depformer,
+        )  # fmt: skip
         engine.start()
         for b in batches:
             if b != engine.num_slots:
@@ -153,6 +159,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = {
                     "attention": attention,
                     "kv_dtype": args.kv_dtype,
+                    "depformer_attention": depformer,
                     **breakdown(engine, b, age, args.steps),
                 }
                 rows.append(row)
@@ -166,7 +173,8 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"{'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['attention']:>5} {r['batch']:>4} {r['age']:>5} {r['step_wall_p50']:6.1f} "
+            f"{r['attention'][:2] + '/' + r['depformer_attention'][:2]:>5} {r['batch']:>4} {r['age']:>5} "
+            f"{r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
             f"{r['other']:5.1f} {r['gpu_busy']:5.1f} {r['host_enqueue']:5.1f} {r['kv_floor_live']:7.1f}"
         )
@@ -283,21 +291,64 @@ def _kyutai(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], li
     return audio, tokens
 
 
+def _snr_db(signal: float, noise: float) -> float:
+    return float(10 * np.log10(max(signal, 1e-30) / max(noise, 1e-30)))
+
+
 def _compare(name: str, got: tuple, ref: tuple) -> dict[str, Any]:
+    """Share of identical tokens (all, text, audio), where the streams first part, and the
+    SNR of ``got``'s audio against ``ref``'s: raw, and with the part of ``ref`` common to
+    all its sessions taken out of the signal (a random Mimi decoder's output is mostly
+    its biases' response, the same whatever the tokens, which inflates the raw figure)."""
     same = sum(int((g == r).sum()) for g, r in zip(got[1], ref[1], strict=True))
     total = sum(r.size for r in ref[1])
     text = sum(int((g[:, 0] == r[:, 0]).sum()) for g, r in zip(got[1], ref[1], strict=True))
-    snrs = [
-        10 * np.log10((r**2).sum() / max(((a - r) ** 2).sum(), 1e-30))
-        for a, r in zip(got[0], ref[0], strict=True)
+    audio = sum(int((g[:, 1:] == r[:, 1:]).sum()) for g, r in zip(got[1], ref[1], strict=True))
+    first = [
+        int(np.flatnonzero((g != r).any(axis=1))[0]) if (g != r).any() else len(r)
+        for g, r in zip(got[1], ref[1], strict=True)
+    ]
+    common = np.mean(ref[0], axis=0)
+    snrs = [_snr_db((r**2).sum(), ((a - r) ** 2).sum()) for a, r in zip(got[0], ref[0], strict=True)]
+    varying = [
+        _snr_db(((r - common) ** 2).sum(), ((a - r) ** 2).sum()) for a, r in zip(got[0], ref[0], strict=True)
     ]
     text_total = sum(len(r) for r in ref[1])
     return {"pair": name, "identical_tokens": same / total, "identical_text_tokens": text / text_total,
-            "snr_db_min": float(min(snrs)), "snr_db_median": float(np.median(snrs))}  # fmt: skip
+            "identical_audio_tokens": audio / (total - text_total),
+            "first_different_frame": first, "first_different_frame_median": float(np.median(first)),
+            "snr_db_min": float(min(snrs)), "snr_db_median": float(np.median(snrs)),
+            "snr_varying_db_min": float(min(varying)),
+            "snr_varying_db_median": float(np.median(varying))}  # fmt: skip
+
+
+def _unrelated(result: tuple) -> tuple:
+    """The same variant's sessions shifted by one: each compared with another input's
+    answer, the floor that SNR and agreement take when the audio carries nothing of it."""
+    return result[0][1:] + result[0][:1], result[1][1:] + result[1][:1]
+
+
+def _load_weights(engine: Any, saved: tuple[dict, dict]) -> int:
+    """Give ``engine`` the first variant's weights (the random presets are rebuilt per
+    variant, and CUDA's k-means of the codebooks need not repeat bit for bit); the
+    number of tensors that differed."""
+    import torch
+
+    differed = 0
+    for module, state in zip((engine.mimi, engine.lm_gen.lm_model), saved, strict=True):
+        own = module.state_dict()
+        differed += sum(1 for k, v in state.items() if not torch.equal(own[k], v))
+        module.load_state_dict(state)
+    for m in engine.mimi.modules():  # the codebooks cache their centroids (not in the state dict)
+        cached = getattr(m, "_embedding", None)
+        if isinstance(cached, torch.Tensor) and hasattr(m, "embedding_sum"):
+            cached.copy_(m.embedding_sum / m.cluster_usage.clamp(min=m.epsilon)[:, None])
+    return differed
 
 
 def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Batched variants (attention/kv dtype) against Kyutai's batch-1 loop and the first variant."""
+    """Batched variants (attention/kv dtype[/depformer]) against Kyutai's batch-1 loop and
+    the first variant, all on the first variant's weights."""
     import torch
 
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
@@ -307,27 +358,48 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
         for i in range(6)
     ]
     results: dict[str, tuple] = {}
+    differed: dict[str, int] = {}
+    saved: tuple[dict, dict] | None = None
     engine = None
-    for variant in args.variants.split(","):
-        attention, kv_dtype = variant.split("/")
+    variants = args.variants.split(",")
+    for variant in variants:
+        attention, kv_dtype, *rest = variant.split("/")
         engine = MoshiEngine(
-            8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype
-        )
+            8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype,
+            depformer=rest[0] if rest else "stock",
+        )  # fmt: skip
         engine.start()
+        if saved is None:
+            saved = tuple(
+                {k: v.detach().clone() for k, v in m.state_dict().items()}
+                for m in (engine.mimi, engine.lm_gen.lm_model)
+            )  # type: ignore[assignment]
+        else:
+            with torch.no_grad():
+                differed[variant] = _load_weights(engine, saved)
+            print(f"{variant}: {differed[variant]} tensors differed from the first build", flush=True)
+        t = time.perf_counter()
         results[variant] = _run_batched(engine, inputs)
-        if variant != args.variants.split(",")[-1]:
+        print(f"{variant}: {time.perf_counter() - t:.1f} s", flush=True)
+        if variant != variants[-1]:
             engine.stop()
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     assert engine is not None
+    t = time.perf_counter()
     reference = _kyutai(engine, inputs)
+    print(f"kyutai batch-1: {time.perf_counter() - t:.1f} s", flush=True)
     engine.stop()
-    first = next(iter(results))
-    rows = [{"preset": args.preset, "frames": args.frames, **_compare(f"{v} vs kyutai batch-1", r, reference)}
-            for v, r in results.items()]  # fmt: skip
-    rows += [{"preset": args.preset, "frames": args.frames, **_compare(f"{v} vs {first}", r, results[first])}
-             for v, r in results.items() if v != first]  # fmt: skip
+    first = variants[0]
+    base = {"preset": args.preset, "frames": args.frames, "sessions": len(inputs)}
+    rows = [{**base, **_compare(f"{v} vs kyutai batch-1", r, reference)} for v, r in results.items()]
+    rows += [
+        {**base, **_compare(f"{v} vs {first}", r, results[first])} for v, r in results.items() if v != first
+    ]
+    rows.append({**base, **_compare(f"{first}: each session vs another input's", _unrelated(results[first]),
+                                    results[first])})  # fmt: skip
+    rows.append({**base, "pair": "builds", "tensors_differing_from_first_build": differed})
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -342,7 +414,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--ages", default="375,2999", help="frames into each session (breakdown)")
         p.add_argument("--attention", default="stock,live")
         p.add_argument("--kv-dtype", default="bf16", help="breakdown: bf16 or int8")
-        p.add_argument("--variants", default="live/bf16,live/int8,stock/bf16", help="agreement")
+        p.add_argument(
+            "--variants", default="live/bf16,live/int8,stock/bf16",
+            help="agreement: attention/kv dtype[/depformer],... (the first is the yardstick's base)",
+        )  # fmt: skip
+        p.add_argument("--depformer", default="stock", help="breakdown: stock,lean (each its own engine)")
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")

@@ -68,6 +68,7 @@ class MoshiEngine(Engine):
         cuda_graphs: bool = True,
         attention: str = "live",
         kv_dtype: str = "bf16",
+        depformer: str = "stock",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
@@ -82,6 +83,9 @@ class MoshiEngine(Engine):
         self.cuda_graphs = cuda_graphs
         self.attention = attention
         self.kv_dtype = kv_dtype
+        if depformer not in ("stock", "lean"):
+            raise ValueError(f"--moshi-depformer {depformer!r}: stock or lean")
+        self.depformer = depformer
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
         lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
@@ -99,6 +103,7 @@ class MoshiEngine(Engine):
         from moshi.models import LMGen, loaders
         from moshi.utils.compile import no_compile
 
+        from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
         from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
 
         self._torch = torch
@@ -149,6 +154,8 @@ class MoshiEngine(Engine):
                     f"this LM cannot use live-prefix attention, which --moshi-kv-dtype {self.kv_dtype} needs"
                 )
             log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
+        if self.depformer == "lean" and not install_lean_depformer(lm):
+            log.warning("moshi engine: this LM's depformer cannot take the unmasked attention; stock")
         self.delay_frames = max(lm.delays)
         self._skip_text = (lm.existing_text_padding_id, lm.existing_text_end_padding_id)
         s = self.sampling
@@ -377,4 +384,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         cuda_graphs=config.moshi_cuda_graphs,
         attention=config.moshi_attention,
         kv_dtype=config.moshi_kv_dtype,
+        depformer=config.moshi_depformer,
     )

@@ -1,0 +1,93 @@
+"""The depformer's attention without a mask (``--moshi-depformer lean``).
+
+``LMGen.depformer_step`` opens a fresh streaming state of the depformer for every LM
+step and runs its ``dep_q`` codebook steps one after the other, every row in step: at
+codebook step ``k`` (the state's ``offset_cpu``, a Python int, so a constant inside the
+CUDA graph) each row writes its key and value at ring slot ``k % capacity`` and moshi's
+mask keeps the positions ``(k - context, k]``; the ring is as long as the context (or
+as the steps, without one), so those are exactly its first ``min(k + 1, capacity)``
+slots, in slot order (hibiki-2b: 16 steps over a ring of 8, which wraps). Stock moshi
+builds that mask from a position table in every layer of every codebook step (about ten
+small kernels) and hands it to SDPA, which with a mask takes cuDNN's masked kernel:
+5.8 ms of the step at 384 hibiki-2b slots on the H200 for 96 calls over at most 8 keys.
+Here the slot is written with one copy and SDPA reads the slice, unmasked (on CUDA
+with the flash kernel). The same keys, values and order: the CPU tests show the
+depformer's tokens and logits equal to stock moshi's in float64, bit for bit. Not
+faster on the H200 yet (see ``_CUDA_BACKENDS``): opt-in, off by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from moshi.modules.transformer import StreamingMultiheadAttention, apply_weights_per_step
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# On CUDA, no cuDNN (its masked kernel took 60 us a call). Measured on the H200 at 384
+# hibiki-2b slots, the flash kernel that runs instead is slower still: 142 us a call
+# (13.6 ms of the step against cuDNN's 5.8), so the depformer went from 17.1 to 21.1 ms
+# although the position tables and masks it no longer builds cost about 3.8 ms. Hence
+# ``--moshi-depformer stock`` stays the default; what this path needs is a kernel that
+# attends one query to at most 8 keys in a few microseconds (docs/benchmarks.md).
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class LeanStepAttention(StreamingMultiheadAttention):
+    """Causal self-attention of a transformer that is restarted for every sequence of
+    one-token steps taken by all rows together (the depformer)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        state = self._streaming_state
+        if state is None or query.shape[1] != 1:
+            return super().forward(query, key, value)
+        cache = state.kv_cache
+        step = state.offset_cpu
+        b = query.shape[0]
+        projected = apply_weights_per_step(self.in_projs, self.weights_per_step_schedule, query, step)
+        q, k, v = projected.view(b, 1, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
+        if self.rope is not None:
+            q, k = self.rope(q, k, state.offset, time_before_heads=False)
+        ring = cache.cache  # [2, B, H, capacity, D]
+        slot = step % cache.capacity
+        ring[0, :, :, slot] = k[:, :, 0]
+        ring[1, :, :, slot] = v[:, :, 0]
+        live = min(step + 1, cache.capacity)
+        if q.is_cuda:
+            with sdpa_kernel(_CUDA_BACKENDS):
+                x = F.scaled_dot_product_attention(q, ring[0, :, :, :live], ring[1, :, :, :live])
+        else:
+            x = F.scaled_dot_product_attention(q, ring[0, :, :, :live], ring[1, :, :, :live])
+        x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
+        x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
+        # The state moves as the library's does (the state is dropped after the LM step).
+        cache.end_offset.add_(1)
+        state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
+        state.offset_cpu += 1
+        return x
+
+
+def install_lean_depformer(lm: Any) -> bool:
+    """Give ``lm``'s depformer ``LeanStepAttention``; False where it cannot apply.
+
+    It applies to a depformer as moshi builds it: causal self-attention with weights per
+    step (its ring has one end offset for the whole batch, every row at the same step),
+    one KV head per head, a ring as long as the context (or as the steps, without one).
+    Call before the LM starts streaming.
+    """
+    depformer = getattr(lm, "depformer", None)
+    if depformer is None or depformer.is_streaming:
+        return False
+    attentions = [layer.self_attn for layer in depformer.layers]
+    fits = all(
+        a.causal and not a.cross_attention and a.weights_per_step and a.kv_repeat == 1
+        and type(a) is StreamingMultiheadAttention
+        and (a.context is None or a.context > 0)
+        for a in attentions
+    )  # fmt: skip
+    if not fits:
+        return False
+    for attention in attentions:
+        attention.__class__ = LeanStepAttention
+    return True
