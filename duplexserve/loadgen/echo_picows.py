@@ -113,7 +113,8 @@ class EchoSession(WSListener):  # type: ignore[misc]  # picows ships stubs witho
             return
         if not isinstance(event, dict) or event.get("type") != "input.end":
             return
-        if self.partial:
+        if self.partial:  # padded with silence and counted, as duplexserve does
+            self.counters.frames_in += 1
             self.index += 1
             transport.send(WSMsgType.BINARY, self.partial + bytes(FRAME_BYTES - len(self.partial)))
             self.counters.frames_out += 1
