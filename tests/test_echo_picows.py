@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -88,3 +90,26 @@ def test_a_plain_get_elsewhere_is_not_found(picows_floor):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(base + "/v1/duplex", timeout=5)
     assert err.value.code == 404
+
+
+def test_bench_short_burst_and_capacity_carry_both_floors(tmp_path):
+    """The CI-sized suite: both floors beside duplexserve, the ratios and the client's ceiling in the JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexserve", "bench", "burst", "capacity", "--short", "--reps", "1",
+         "--no-pin", "--no-progress", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "client ceiling" in proc.stdout and "duplexserve / picows echo" in proc.stdout
+    (level,) = json.loads((tmp_path / "burst.json").read_text())["summary"].values()
+    assert {"echo floor", "picows floor", "duplexserve", "offload path"} <= set(level["costs"])
+    assert all(k["guards_ok"] for k in level["costs"].values())
+    assert set(level["floor_ratios"]) == {
+        "duplexserve / uvicorn echo", "duplexserve / picows echo", "picows echo / uvicorn echo"}
+    assert level["client"]["cpu_us_per_frame"] > 0 and level["client"]["ceiling_frames_per_s"] > 0
+    capacity = json.loads((tmp_path / "capacity.json").read_text())
+    assert capacity["judged_against"] == "picows floor" and capacity["bound"] == 2.0
+    for row in capacity["levels"].values():
+        assert row["floors_guards_ok"] and row["guards_ok"]
+        assert row["picows_echo"]["frames"] > 0 and row["server_us_per_frame"]["picows_echo"] > 0
+        assert row["client"]["ceiling_paced_sessions"] > 0
