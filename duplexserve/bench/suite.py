@@ -6,8 +6,8 @@ generator from the other cores, interleaves the variants it compares inside one 
 table with the ratios and the targets, and writes JSON and PNG plots into ``--out``.
 
 - ``burst``: host burst, 64 and 96 sessions x 512 frames as fast as they go, engine
-  cost zero, side by side: the two floors (a bare echo on uvicorn, duplexserve's own
-  stack, and one on picows, a callback WebSocket stack: :mod:`duplexserve.bench.floors`),
+  cost zero, side by side: the two floors (bare echoes on uvicorn, duplexserve's own
+  stack, and on picows, a callback WebSocket stack: :mod:`duplexserve.bench.floors`),
   duplexserve, and duplexserve with ``--offload-every-frame`` (vLLM-Omni's per-frame
   thread hops), interleaved.
 - ``ws``: the same burst through uvicorn's ``websockets-sansio`` and ``websockets``.
