@@ -34,8 +34,8 @@ def _server_cpu(run: Any) -> float:
 
 
 def _pair(steady: dict[str, Any] | None) -> str:
-    if not steady:
-        return "-"
+    if not steady or not steady.get("frames"):
+        return "-"  # no steady window: the run never had every session streaming at once
     return f"{_p(steady, 'rt_p50_ms'):.1f}/{_p(steady, 'rt_p99_ms'):.1f}"
 
 
@@ -148,7 +148,7 @@ def _print(bench: Any, rows: dict[str, Any], steady_s: float) -> None:
         cost.add_column(col, justify="right")
     for c, row in rows.items():
         e, p, d = row["echo"], row["picows_echo"], row["duplexserve"]
-        under = "/".join("-" if s is None else str(s.get("underruns", "-")) for s in (e, p, d))
+        under = "/".join(str(s["underruns"]) if s and s.get("frames") else "-" for s in (e, p, d))
         latency.add_row(
             c, _pair(e), _pair(p), _pair(d), f"{row['p99_ratio']:.2f}", f"{row['p99_ratio_picows']:.2f}",
             under, "yes" if row["held"] else "no",
