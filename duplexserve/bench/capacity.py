@@ -171,6 +171,8 @@ def _goal(rows: dict[str, Any], judge: str, bound: float) -> str:
         return f"goal ({GOAL_SESSIONS} sessions) not judged: the sweep did not run {GOAL_SESSIONS}"
     ratio = row["p99_ratio_picows"] if judge == floors.PICOWS else row["p99_ratio"]
     mark = "[green]met[/]" if row["held"] else "[red]missed[/]"
+    if math.isnan(ratio):
+        mark += " (no steady window: duplexserve or the floor never had every session streaming)"
     bound_note = " [red](client-bound: see the client ceiling)[/]" if row["client_bound"] else ""
     return (
         f"goal: {GOAL_SESSIONS} sessions, guards, p99 <= {bound:g}x the {judge}'s in the same run: "
