@@ -25,10 +25,10 @@ class Benchmark:
 
 
 BENCHMARKS = {
-    "burst": Benchmark("suite", "host burst: the echo floor, duplexserve and the per-frame offload path"),
+    "burst": Benchmark("suite", "host burst: both echo floors, duplexserve and the per-frame offload path"),
     "ws": Benchmark("suite", "uvicorn's two WebSocket implementations, by burst CPU per frame"),
     "rtf": Benchmark("suite", "paced RTF run against an engine stepping like an H200 2B-class model"),
-    "capacity": Benchmark("suite", "paced capacity sweep, judged against the bare echo"),
+    "capacity": Benchmark("suite", "paced capacity sweep, judged against the picows echo"),
     "all": Benchmark("suite", "burst, ws, rtf and capacity (what bare `duplexserve bench` runs)"),
     "codec-costs": Benchmark("codec_costs", "what each codec path costs per frame, and where it should run"),
     "opus-capacity": Benchmark("opus_capacity", "how many real-time Ogg/Opus sessions a server holds"),

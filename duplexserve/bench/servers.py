@@ -21,6 +21,13 @@ from dataclasses import dataclass
 
 SERVER_CPU = 0
 
+#: The module each server kind runs with ``python -m``; the echoes take no ``serve`` subcommand.
+MODULES = {
+    "duplexserve": "duplexserve",
+    "echo": "duplexserve.loadgen.echo",
+    "picows-echo": "duplexserve.loadgen.echo_picows",
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -81,7 +88,7 @@ class Server:
     """A server subprocess; ``url`` is its WebSocket base address."""
 
     name: str
-    kind: str  # duplexserve | echo
+    kind: str  # a key of MODULES: duplexserve | echo | picows-echo
     args: list[str]
     port: int = 0
     pinned: bool = False
@@ -100,9 +107,8 @@ class Server:
 
     def start(self, pin: bool = True, timeout: float = 60.0) -> Server:
         self.port = free_port()
-        module = "duplexserve.loadgen.echo" if self.kind == "echo" else "duplexserve"
-        command = [sys.executable, "-m", module]
-        if self.kind != "echo":
+        command = [sys.executable, "-m", MODULES[self.kind]]
+        if self.kind == "duplexserve":
             command.append("serve")
         command += ["--port", str(self.port), "--log-level", "warning", *self.args]
         self.pinned = pin and can_pin()

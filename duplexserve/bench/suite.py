@@ -6,14 +6,20 @@ generator from the other cores, interleaves the variants it compares inside one 
 table with the ratios and the targets, and writes JSON and PNG plots into ``--out``.
 
 - ``burst``: host burst, 64 and 96 sessions x 512 frames as fast as they go, engine
-  cost zero, side by side: the bare echo floor, duplexserve, and duplexserve with
-  ``--offload-every-frame`` (vLLM-Omni's per-frame thread hops), interleaved.
+  cost zero, side by side: the two floors (bare echoes on uvicorn, duplexserve's own
+  stack, and on picows, a callback WebSocket stack: :mod:`duplexserve.bench.floors`),
+  duplexserve, and duplexserve with ``--offload-every-frame`` (vLLM-Omni's per-frame
+  thread hops), interleaved.
 - ``ws``: the same burst through uvicorn's ``websockets-sansio`` and ``websockets``.
 - ``rtf``: 64 and 96 paced sessions, 60.96 s of audio in 160 ms messages, 2 x
   concurrency sessions after one warm-up batch, the synthetic engine stepping like
   a 2B-class model on one H200.
-- ``capacity``: paced sessions in steps; the largest count whose guards hold with zero
-  underruns and a p99 within 1.2x of the bare echo's at the same count.
+- ``capacity``: paced sessions in steps (500 to 2000), both floors and duplexserve at
+  each; the largest count whose guards hold with a p99 at most 2x the picows echo's at
+  the same count (BENCHMARKS.md; 1.2x the uvicorn echo's where picows is missing).
+
+Each prints the client's own ceiling (its CPU per frame, the most frames/s one client
+core drives) so a client-bound run shows as one.
 
 ``--short`` runs CI-sized versions of each (seconds, not minutes). Bare
 ``duplexserve bench`` runs all four; a name picks one, and more names may follow it.
@@ -47,7 +53,7 @@ class Scale:
     reps: int = 3
     rtf_levels: tuple[int, ...] = (64, 96)
     rtf_frames: int = 762  # 60.96 s: the 762 output frames of BENCHMARKS.md's RTF run
-    capacity_levels: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
+    capacity_levels: tuple[int, ...] = (500, 1000, 1500, 2000)
     capacity_steady_s: float = 20.0  # with every session streaming, after the connection ramp
 
 
@@ -241,6 +247,7 @@ class Bench:
             f"{server.get('cpu_us_per_frame', math.nan):.1f} us/frame, "
             f"{server.get('voluntary_switches_per_frame', math.nan):.3f} vcsw/frame, makespan "
             f"{s['makespan_s']:.2f} s, rt p99 {s['rt_p99_ms']:.1f} ms, underruns {s['underruns']}, "
+            f"client {s['client']['cpu_us_per_frame']:.1f} us/frame ({100 * s['client']['busy']:.0f}% busy), "
             f"guards {guard}"
         )
 
@@ -285,6 +292,8 @@ class Bench:
             "makespan_s": med("makespan_s", server=False),
             "wall_us_per_frame": med("us_per_frame_wall", server=False),
             "rt_p99_ms": med("rt_p99_ms", server=False),
+            "client_us_per_frame": _median([r.client.cpu_us_per_frame for r in runs]),
+            "client_busy": _median([r.client.busy for r in runs]),
             "guards_ok": all(r.guards_ok for r in runs),
         }
 
@@ -296,16 +305,19 @@ class Bench:
 
     # ---------------------------------------------------------------- benchmarks
     def burst(self) -> bool:
-        """Benchmarks 1 and 4: host burst, echo floor vs duplexserve vs the per-frame offload path."""
+        """Benchmarks 1 and 4: host burst, both floors vs duplexserve vs the per-frame offload path."""
         from rich.table import Table
 
+        from duplexserve.bench import floors
         from duplexserve.bench.servers import Server, running
         from duplexserve.loadgen import plots
 
         self.console.rule("host burst, side by side")
         common = ["--text-every", "0", "--max-sessions", "256"]
-        servers = {
-            "echo floor": Server("echo floor", "echo", []),
+        servers, note = floors.servers()
+        if note:
+            self.console.print(f"[yellow]{note}[/]")
+        servers |= {
             "duplexserve": Server("duplexserve", "duplexserve", common),
             "offload path": Server("offload path", "duplexserve", [*common, "--offload-every-frame"]),
         }
@@ -322,10 +334,12 @@ class Bench:
             "exec/frame",
             "makespan s",
             "wall us/frame",
+            "client us/frame",
             "guards",
         ):
             table.add_column(col, justify="left" if col == "variant" else "right")
         summary: dict[str, Any] = {}
+        lines: list[str] = []
         ok = True
         for c in levels:
             costs = {name: self._costs(runs[name][c]) for name in servers}
@@ -338,10 +352,26 @@ class Bench:
                     f"{k['exec_per_frame']:.3f}",
                     f"{k['makespan_s']:.2f}",
                     f"{k['wall_us_per_frame']:.1f}",
+                    f"{k['client_us_per_frame']:.1f}",
                     "ok" if k["guards_ok"] else "FAIL",
                 )
-            ds, echo, off = costs["duplexserve"], costs["echo floor"], costs["offload path"]
+            ds, echo, off = costs["duplexserve"], costs[floors.UVICORN], costs["offload path"]
             cpu = "cpu_us_per_frame"
+            pw = costs.get(floors.PICOWS, {}).get(cpu, math.nan)
+            ratios = {
+                "duplexserve / uvicorn echo": _ratio(ds[cpu], echo[cpu]),
+                "duplexserve / picows echo": _ratio(ds[cpu], pw),
+                "picows echo / uvicorn echo": _ratio(pw, echo[cpu]),
+            }
+            client = floors.client([r for n in servers for r in runs[n][c]])
+            lines.append(
+                f"  {c} sessions, server CPU per frame: "
+                + ", ".join(f"{name} {value:.2f}x" for name, value in ratios.items())
+            )
+            line = f"  {c} sessions, {floors.client_line(client)}"
+            if floors.client_bound(client):
+                line += " (makespans measure the client; CPU per frame is still each server's)"
+            lines.append(line)
             checks = (  # (target, measured, met)
                 ("server CPU per frame / echo floor's (<= 1.1)", _ratio(ds[cpu], echo[cpu]), 1.1, -1),
                 ("offload path CPU per frame / duplexserve's (>= 2)", _ratio(off[cpu], ds[cpu]), 2.0, 1),
@@ -356,9 +386,13 @@ class Bench:
             )
             targets = {name: value for name, value, _, _ in checks}
             met = {name: _meets(value, bound, how) for name, value, bound, how in checks}
-            summary[str(c)] = {"costs": costs, "targets": targets, "met": met}
+            summary[str(c)] = {
+                "costs": costs, "targets": targets, "met": met, "floor_ratios": ratios, "client": client,
+            }
             ok = ok and all(k["guards_ok"] for k in costs.values())
         self.console.print(table)
+        for line in lines:
+            self.console.print(line)
         self._print_targets(summary)
         img = self.out / "img"
         first = levels[-1]
@@ -489,101 +523,7 @@ class Bench:
         return all(r.guards_ok for r in results)
 
     def capacity(self) -> bool:
-        """Benchmark 3: paced capacity on one server core, judged against the bare echo at each count."""
-        from rich.table import Table
+        """Benchmark 3: paced capacity on one server core, judged against the picows echo at each count."""
+        from duplexserve.bench.capacity import sweep
 
-        from duplexserve.bench.servers import Server, running
-        from duplexserve.loadgen import plots
-        from duplexserve.loadgen.runner import LoadSpec
-
-        self.console.rule("paced capacity sweep")
-        top = max(self.scale.capacity_levels)
-        servers = {
-            "echo floor": Server("echo floor", "echo", []),
-            "duplexserve": Server("duplexserve", "duplexserve", ["--max-sessions", str(top + 16)]),
-        }
-        runs: dict[str, dict[int, Any]] = {n: {} for n in servers}
-        steady_s = self.scale.capacity_steady_s
-        with running(*servers.values(), pin=self.pin, nice=self.nice):
-            self._warm(*servers.values())
-            for i, c in enumerate(self.scale.capacity_levels):
-                ramp = LoadSpec(url="", concurrency=c).ramp()
-                frames = math.ceil((ramp + steady_s + 0.5) / 0.08)
-                order = list(servers) if i % 2 == 0 else list(reversed(servers))
-                for name in order:
-                    r = self._load(
-                        servers[name].url,
-                        f"{name} {c} paced",
-                        concurrency=c,
-                        sessions=c,
-                        frames=frames,
-                        message_ms=self.message_ms,
-                        paced=True,
-                        timeout_s=120.0,
-                    )
-                    runs[name][c] = r
-                    self._say_run(r)
-                    st = r.steady()
-                    lag = r.client.as_dict()["send_lag_p99_ms"]
-                    self.console.print(
-                        f"    steady {st['window_s']:.1f} s: rt p50/p99 {st.get('rt_p50_ms', 0):.1f}/"
-                        f"{st.get('rt_p99_ms', 0):.1f} ms, underruns {st.get('underruns', 0)}, "
-                        f"client send lag p99 {lag:.1f} ms"
-                    )
-        table = Table(
-            title=f"paced capacity: {self.message_ms} ms messages; latency over the steady window "
-            f"(~{steady_s:.0f} s with every session streaming)"
-        )
-        for col in (
-            "sessions",
-            "echo p50/p99 ms",
-            "duplexserve p50/p99 ms",
-            "p99 ratio",
-            "underruns echo/ds",
-            "server us/frame echo/ds",
-            "client lag p99 ms",
-            "held",
-        ):
-            table.add_column(col, justify="right")
-        held = 0
-        rows = {}
-        for c in self.scale.capacity_levels:
-            er, dr = runs["echo floor"][c], runs["duplexserve"][c]
-            e, d = er.steady(), dr.steady()
-            ratio = _ratio(d["rt_p99_ms"], e["rt_p99_ms"])
-            ok = dr.guards_ok and d["underruns"] == 0 and ratio <= 1.2
-            if ok:
-                held = max(held, c)
-            lag = max(er.client.as_dict()["send_lag_p99_ms"], dr.client.as_dict()["send_lag_p99_ms"])
-            e_cpu = (er.summary().get("server") or {}).get("cpu_us_per_frame", math.nan)
-            d_cpu = (dr.summary().get("server") or {}).get("cpu_us_per_frame", math.nan)
-            rows[str(c)] = {
-                "echo": e,
-                "duplexserve": d,
-                "p99_ratio": ratio,
-                "held": ok,
-                "guards_ok": dr.guards_ok,
-                "server_us_per_frame": {"echo": e_cpu, "duplexserve": d_cpu},
-                "client_send_lag_p99_ms": lag,
-            }
-            table.add_row(
-                str(c),
-                f"{e['rt_p50_ms']:.1f}/{e['rt_p99_ms']:.1f}",
-                f"{d['rt_p50_ms']:.1f}/{d['rt_p99_ms']:.1f}",
-                f"{ratio:.2f}",
-                f"{e['underruns']}/{d['underruns']}",
-                f"{e_cpu:.1f}/{d_cpu:.1f}",
-                f"{lag:.1f}",
-                "yes" if ok else "no",
-            )
-        self.console.print(table)
-        self.console.print(f"largest count held: [bold]{held}[/] (guards, zero underruns, p99 <= 1.2x echo)")
-        series = {
-            name: [(c, r.summary()["rtf_median"], r.steady()["rt_p99_ms"]) for c, r in runs[name].items()]
-            for name in servers
-        }
-        plots.sweep(series, self.out / "img" / "capacity_sweep.png", "paced capacity: RTF and steady p99")
-        self._write(
-            "capacity", {"held": held, "levels": rows}, [r for n in servers for r in runs[n].values()]
-        )
-        return True
+        return sweep(self)

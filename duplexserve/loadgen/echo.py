@@ -74,7 +74,9 @@ class EchoApp:
             if data is None:
                 event = json.loads(message.get("text") or "{}")
                 if event.get("type") == "input.end":
-                    if partial:
+                    if partial:  # padded with silence and counted, as duplexserve does
+                        self.frames_in += 1
+                        index += 1
                         await self._out(send, partial + bytes(FRAME_BYTES - len(partial)))
                     await send({"type": "websocket.send", "text": json.dumps({
                         "type": "session.closed", "reason": "completed",
