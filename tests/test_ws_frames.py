@@ -9,6 +9,7 @@ library enforces still holds on the fast path.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 
@@ -100,7 +101,9 @@ def frames(draw: st.DrawFn) -> bytes:
     return frame(FIN_BINARY, b"tiny", length=MAX_SIZE + 10)[:20]
 
 
-def _messages(conn: ServerProtocol, pending: list[bytes], kinds: list[str], out: list[tuple[str, bytes]]) -> None:
+def _messages(
+    conn: ServerProtocol, pending: list[bytes], kinds: list[str], out: list[tuple[str, bytes]]
+) -> None:
     """The library's frames assembled into messages the way uvicorn does."""
     for event in conn.events_received():
         if event.opcode in (Opcode.TEXT, Opcode.BINARY):
@@ -138,11 +141,14 @@ def _fast(chunks: list[bytes]) -> tuple[list[tuple[str, bytes]], bytes, object]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=st.lists(frames(), min_size=1, max_size=12), cuts=st.lists(st.integers(0, 200_000), max_size=12))
+@given(
+    stream=st.lists(frames(), min_size=1, max_size=12),
+    cuts=st.lists(st.integers(0, 200_000), max_size=12),
+)
 def test_fast_reader_agrees_with_websockets(stream: list[bytes], cuts: list[int]) -> None:
     data = b"".join(stream)
     bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    chunks = [data[a:b] for a, b in itertools.pairwise(bounds) if b > a]
     assert _fast(chunks) == _reference(chunks)
 
 

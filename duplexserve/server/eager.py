@@ -34,7 +34,7 @@ def _unwind(coro: Coroutine[Any, Any, Any], _: asyncio.Task[None]) -> None:
         return
     try:
         coro.throw(asyncio.CancelledError())
-    except BaseException:  # noqa: S110 - the CancelledError (or what its cleanup raised)
+    except BaseException:  # the CancelledError, or what its cleanup raised
         return
     coro.close()  # it tried to wait again while cleaning up: stop it there
 
