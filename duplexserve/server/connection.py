@@ -145,9 +145,7 @@ class Connection(ABC):
         finally:
             if self._abort_timer is not None:
                 self._abort_timer.cancel()
-            for task in (*self._tasks, self._lane, self._writing):
-                if task is not None:
-                    task.cancel()
+            self._cancel_tasks()
             if not self.replaced:
                 if not session.closed and not session.detached:
                     self.orch.close(session, "disconnected", errors.GOING_AWAY)
@@ -198,10 +196,15 @@ class Connection(ABC):
     def take_over(self) -> None:
         """A resume took this connection's session: stop moving its data at once."""
         self.replaced = True
+        self._cancel_tasks()
+        self._stop("replaced")
+
+    def _cancel_tasks(self) -> None:
+        """Stop every task moving this connection's data: both paths' (none on a fast
+        path that never had to wait)."""
         for task in (*self._tasks, self._lane, self._writing):
             if task is not None:
                 task.cancel()
-        self._stop("replaced")
 
     async def _say_replaced(self) -> None:
         """Tell a half-open connection it lost its session; never wait long on it."""
