@@ -115,6 +115,13 @@ class ServerConfig:
         "when the engine wakes from idle, wait this long before stepping so one step serves the "
         "frames of many sessions (fewer thread hand-offs per frame); 0 steps at once",
     )
+    engine_tick_ms: float = _opt(
+        -1.0,
+        "step the engine on a clock of this period, every session with a frame in each step "
+        "(docs/architecture.md: one step per frame instead of cohorts, at up to one frame of "
+        "latency); 0: step whenever a frame is pending; -1: 80 (one frame) for the moshi engine, "
+        "0 otherwise",
+    )
 
     # Admission and bounds.
     max_sessions: int = _opt(256, "sessions served at once (engine slots); more get 1013")
@@ -223,6 +230,13 @@ class ServerConfig:
         on_gpu = self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
         return self.engine == "moshi" and on_gpu
 
+    def tick_ms(self) -> float:
+        """``--engine-tick-ms`` as set, else one frame for the moshi engine, whose step costs
+        about the same for a few sessions as for all, and 0 (step at once) for the others."""
+        if self.engine_tick_ms >= 0:
+            return self.engine_tick_ms
+        return 80.0 if self.engine == "moshi" else 0.0
+
     def validate(self) -> None:
         if self.max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
@@ -237,6 +251,8 @@ class ServerConfig:
         if self.engine == "vllm-omni" and self.engine_process:
             raise ValueError("--engine vllm-omni runs its own orchestrator thread and processes: "
                              "--engine-process does not apply")
+        if self.engine_tick_ms < 0 and self.engine_tick_ms != -1:
+            raise ValueError("engine_tick_ms is a period in ms, or -1 for the engine's default")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.codec_threads < 1 or self.codec_processes < 0:

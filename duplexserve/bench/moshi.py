@@ -207,6 +207,30 @@ async def one_session(
         result["lateness"] = recv - deadline
 
 
+def _late_by_time(results: list[dict], bucket_s: float) -> list[int]:
+    """Late frames counted by when in its session each was (frame index x 80 ms)."""
+    counts: list[int] = []
+    for r in results:
+        for index in np.flatnonzero(r["lateness"] > 0).tolist():
+            b = int(index * FRAME_S // bucket_s)
+            counts.extend([0] * (b + 1 - len(counts)))
+            counts[b] += 1
+    return counts
+
+
+def _rtt_by_time(results: list[dict], bucket_s: float) -> list[float]:
+    """Mean frame round trip (ms) by when in its session each frame was: a step that grows
+    with the context shows here, and so does any drift against the first frame."""
+    if not results:
+        return []
+    n = max(len(r["rtt"]) for r in results)
+    per = round(bucket_s / FRAME_S)
+    rtt = np.full((len(results), n), np.nan)
+    for i, r in enumerate(results):
+        rtt[i, : len(r["rtt"])] = r["rtt"]
+    return [round(1000 * float(np.nanmean(rtt[:, b : b + per])), 1) for b in range(0, n, per)]
+
+
 async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, ramp_s: float) -> list[dict]:
     audio = (np.random.default_rng(1).standard_normal(int(seconds / FRAME_S) * FRAME) * 0.05).astype(
         np.float32
@@ -233,7 +257,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
         *(["--moshi-context", str(args.context)] if args.context else []),
         "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
-        "--moshi-depformer", args.depformer,
+        "--moshi-depformer", args.depformer, "--engine-tick-ms", str(args.tick_ms),
     ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -296,6 +320,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "attention": args.attention,
         "kv_dtype": args.kv_dtype,
         "depformer": args.depformer,
+        "tick_ms": args.tick_ms,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
         "startup_s": startup,
@@ -322,6 +347,14 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "server_cpu_cores": (cpu1 - cpu0) / wall,
         "client_cpu_cores": client_cpu / wall,
         "gpu_memory_used": gpu_mem,
+        # where the tail comes from: steps that ran long, and when the late frames were
+        "steps_over_ms": {
+            str(ms): steps - delta(f'duplexserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}')
+            for ms in (80, 100, 200)
+        },
+        "late_frames_by_10s": _late_by_time(ok, 10.0),
+        "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
+        "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
     }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
@@ -347,6 +380,8 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--attention", default="live", choices=("live", "stock"))
     r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
     r.add_argument("--depformer", default="stock", choices=("stock", "lean"))
+    r.add_argument("--tick-ms", type=float, default=-1.0,
+                   help="the server's --engine-tick-ms (-1: its default, one frame; 0: step at once)")
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")
     r.add_argument("--out", default="")

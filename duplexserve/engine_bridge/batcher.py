@@ -5,20 +5,43 @@ Frames are kept as references to the views the loop handed over (no copy), in a
 one: the indices, the generations and the frames come out of fancy indexing, and
 the one copy is ``np.concatenate`` building the contiguous batch the model eats (a
 third of ``np.stack``'s cost: no view and shape check per frame).
+
+With a step clock (``frame_s`` set) each frame also gets the time it is due on its
+session's own schedule: frame k of a slot is due at ``ref + k x frame`` where ``ref`` is
+the earliest phase the sender has shown lately (``arrival - k x frame`` of the first frame
+of each message; frames put in one loop iteration share their arrival): the smallest so
+far, moved ``CREEP_S`` later a message to follow a sender whose clock runs slow. So a frame
+that comes a little late keeps its place in the schedule, the second frame of a 160 ms
+message is due 80 ms after the first, and a burst sender's frames fall due one a frame.
+A message a whole frame behind the schedule (a sender that paused) starts a new one.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+#: How long before a tick a frame must be due to be stepped at that tick: a frame up to
+#: this late against its schedule still makes its tick.
+SLACK_S = 0.010
+#: How far a session's schedule moves later a message (its clock may run slow), unless a
+#: message shows an earlier phase.
+CREEP_S = 0.00005
 
 
 class SlotBatcher:
-    def __init__(self, num_slots: int, window: int) -> None:
+    def __init__(self, num_slots: int, window: int, frame_s: float = 0.0) -> None:
         self.window = window
+        self.frame_s = frame_s
         self._ring = np.empty((num_slots, window), dtype=object)
         self._head = np.zeros(num_slots, dtype=np.int64)
         self._count = np.zeros(num_slots, dtype=np.int64)
         self._generation = np.full(num_slots, -1, dtype=np.int64)
+        self._due = np.zeros((num_slots, window), dtype=np.float64)
+        self._ref = [math.inf] * num_slots  # the schedule's phase (see above)
+        self._pushed = [0] * num_slots  # frames pushed since the slot opened
+        self._received = [math.nan] * num_slots  # when its last frame came
         self.pending = 0  # frames held over all slots
 
     def open(self, slot: int, generation: int) -> None:
@@ -31,26 +54,89 @@ class SlotBatcher:
         self._head[slot] = 0
         self._count[slot] = 0
         self._generation[slot] = -1
+        self._ref[slot] = math.inf
+        self._pushed[slot] = 0
+        self._received[slot] = math.nan
 
-    def push(self, slot: int, generation: int, frame: np.ndarray) -> bool:
-        """Queue a frame; False when the slot is not open under that generation or is full."""
+    def push(self, slot: int, generation: int, frame: np.ndarray, now: float = 0.0) -> bool:
+        """Queue a frame received at ``now``; False when the slot's window is full.
+
+        A frame of a slot not open under that generation (a session already closed)
+        is dropped and counts as taken: there is nothing to answer.
+        """
         if self._generation[slot] != generation:
-            return True  # a frame of a session already closed: nothing to answer
+            return True
         count = self._count[slot]
         if count >= self.window:
             return False
-        self._ring[slot, (self._head[slot] + count) % self.window] = frame
+        index = (self._head[slot] + count) % self.window
+        self._ring[slot, index] = frame
+        if self.frame_s:
+            k = self._pushed[slot]
+            self._pushed[slot] = k + 1
+            ref = self._ref[slot]
+            if now != self._received[slot]:  # the first frame of a message: a phase seen
+                self._received[slot] = now
+                phase = now - k * self.frame_s
+                # a sender a frame behind its schedule paused: a new schedule from here
+                ref = phase if phase > ref + self.frame_s else min(ref + CREEP_S, phase)
+                self._ref[slot] = ref
+            self._due[slot, index] = ref + k * self.frame_s
         self._count[slot] = count + 1
         self.pending += 1
         return True
 
-    def gather(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pop one frame from every slot that has one: (slots, generations, batch)."""
+    def oldest_due(self) -> float:
+        """When the most overdue frame waiting at the head of its slot was due."""
+        slots = np.flatnonzero(self._count)
+        return float(self._due[slots, self._head[slots]].min()) if len(slots) else math.inf
+
+    def gather(self, cutoff: float = math.inf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pop one frame from every slot whose next frame is due by ``cutoff``:
+        (slots, generations, batch)."""
         slots = np.flatnonzero(self._count)
         heads = self._head[slots]
+        if cutoff != math.inf:
+            due = self._due[slots, heads] <= cutoff
+            slots, heads = slots[due], heads[due]
+            if not len(slots):
+                return slots, slots, np.empty((0, 0), np.float32)
         frames = np.concatenate(self._ring[slots, heads].tolist()).reshape(len(slots), -1)
         self._ring[slots, heads] = None
         self._head[slots] = (heads + 1) % self.window
         self._count[slots] -= 1
         self.pending -= len(slots)
         return slots, self._generation[slots], frames
+
+
+class StepClock:
+    """Engine steps on a fixed clock of one frame, each serving every session with a frame.
+
+    A model step costs about the same for half the sessions as for all of them (the
+    moshi engine always runs the full batch and masks the rows without a frame), so
+    stepping whenever any frame is pending splits the sessions into cohorts stepped
+    apart and keeps the GPU busy at any load, with nothing left for a slow step. On
+    the clock, each tick steps the frames due at least ``SLACK_S`` before it; a
+    session's frames therefore always wait the same time for their tick, up to one
+    period (half on average) plus the slack, whoever joins or leaves: latency, but no
+    jitter. The grid keeps its phase for good. A frame still waiting after the tick it
+    was due for (its slot was behind, or it came late) is stepped at once, in a
+    catch-up step of such frames only.
+    """
+
+    def __init__(self, period_s: float) -> None:
+        self.period = period_s
+        self.next = math.nan  # the next tick; set by the first decision
+        self.last = -math.inf  # the last tick
+
+    def decide(self, now: float, oldest_due: float) -> tuple[float, float]:
+        """``(wait, cutoff)``: wait this long, or (0) step now the frames due by ``cutoff``."""
+        if self.next != self.next:  # nan: the grid starts here
+            self.next = now
+        if now >= self.next:  # a tick (the latest grid point, if steps ran long)
+            self.last = self.next + self.period * ((now - self.next) // self.period)
+            self.next = self.last + self.period
+            return 0.0, self.last - SLACK_S
+        if oldest_due <= self.last - SLACK_S:  # a frame missed its tick: catch up
+            return 0.0, self.last - SLACK_S
+        return self.next - now, 0.0

@@ -12,7 +12,13 @@ Out of the engine: each step's result is appended to a deque and the loop is wok
 with ``call_soon_threadsafe`` only if no wake-up is already pending, so a busy loop
 takes several steps per wake-up and never one call per frame.
 
-Items are ``(slot, generation, payload)``: payload is a frame (an ndarray view of
+Stepping on a clock (``tick_s``, one frame by default for the moshi engine): see
+``batcher.StepClock``. Between ticks the engine thread sleeps in short slices and
+drains the queue after each, so the queue never fills while it waits.
+
+Queue entries are ``(received, items)``: the loop's clock when the iteration's items
+were put, so a frame's age counts from its arrival, not from when a busy engine thread
+got to it. Items are ``(slot, generation, payload)``: payload is a frame (an ndarray view of
 the received bytes), or an :class:`Open` / :class:`Close` control. The generation
 stamps every output, so a late output of a closed session never reaches the next
 occupant of its slot.
@@ -24,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +41,7 @@ from typing import Any
 import janus
 import numpy as np
 
-from duplexserve.engine_bridge.batcher import SlotBatcher
+from duplexserve.engine_bridge.batcher import SlotBatcher, StepClock
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.overflow import OrderedPutter
 
@@ -52,6 +59,7 @@ class Close:
 
 
 _CLOSE = Close()
+_TICK_SLICE_S = 0.01  # between ticks, drain the queue this often
 _STOP = object()
 
 
@@ -91,24 +99,28 @@ class EngineBridge:
         on_step: Callable[[StepOutput], None] | None = None,
         counts: BridgeCounts | None = None,
         coalesce_s: float = 0.0,
+        tick_s: float = 0.0,
     ) -> None:
         self.engine = engine
         #: After an idle wait, let this long pass before stepping, so one step (and one
         #: wake-up of the loop) serves the frames of many sessions instead of one.
         self.coalesce_s = coalesce_s
+        #: Step on a clock of this period (0: whenever a frame is pending).
+        self.clock = StepClock(tick_s) if tick_s else None
         self.counts = counts or BridgeCounts()
         self._on_outputs = on_outputs
         self.on_step = on_step
         self._queue_size = queue_size
-        self._batcher = SlotBatcher(engine.num_slots, window)
-        self._queue: janus.Queue[list[tuple[int, int, Any]]] | None = None
+        frame_s = engine.frame_samples / 24000 if tick_s else 0.0
+        self._batcher = SlotBatcher(engine.num_slots, window, frame_s)
+        self._queue: janus.Queue[tuple[float, list[tuple[int, int, Any]]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready: asyncio.Future[None] | None = None
         # Loop -> engine: the items of one loop iteration, then the slow path.
         self._batch: list[tuple[int, int, Any]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-put")
-        self._putter: OrderedPutter[list[tuple[int, int, Any]]] | None = None
+        self._putter: OrderedPutter[tuple[float, list[tuple[int, int, Any]]]] | None = None
         # Engine -> loop.
         self._results: collections.deque[StepOutput] = collections.deque()
         self._wake_pending = False
@@ -183,7 +195,7 @@ class EngineBridge:
         batch, self._batch = self._batch, []
         if self.abandoned or self._putter is None:
             return
-        if self._putter.put(batch, len(batch)):
+        if self._putter.put((time.monotonic(), batch), len(batch)):
             self.counts.queue_puts += 1
 
     def submit(self, item: tuple[int, int, Any]) -> None:
@@ -206,7 +218,8 @@ class EngineBridge:
         assert self._queue is not None and self._loop is not None
         self.counts.executor_submissions += 1
         self.counts.slow_puts += 1
-        await self._loop.run_in_executor(None, self._queue.sync_q.put, [item])
+        entry = (time.monotonic(), [item])
+        await self._loop.run_in_executor(None, self._queue.sync_q.put, entry)
 
     def _deliver(self) -> None:
         self._wake_pending = False
@@ -241,7 +254,8 @@ class EngineBridge:
         self._loop.call_soon_threadsafe(_set_result, ready)
         sync_q = self._queue.sync_q
         batcher = self._batcher
-        coalesce_s = self.coalesce_s
+        clock = self.clock
+        coalesce_s = 0.0 if clock else self.coalesce_s
         try:
             while True:
                 if not batcher.pending:  # idle: block for work, then let a batch gather
@@ -251,13 +265,20 @@ class EngineBridge:
                         time.sleep(coalesce_s)
                 while True:  # drain everything pending, then step once
                     try:
-                        items = sync_q.get_nowait()
+                        entry = sync_q.get_nowait()
                     except janus.SyncQueueEmpty:
                         break
-                    if self._take_all(items):
+                    if self._take_all(entry):
                         return
-                if batcher.pending:
-                    self._step()
+                if not batcher.pending:
+                    continue
+                cutoff = math.inf
+                if clock is not None:
+                    wait, cutoff = clock.decide(time.monotonic(), batcher.oldest_due())
+                    if wait > 0.0:
+                        time.sleep(min(wait, _TICK_SLICE_S))  # then drain again
+                        continue
+                self._step(cutoff)
                 if self.abandoned:
                     return
         except janus.SyncQueueShutDown:
@@ -268,16 +289,17 @@ class EngineBridge:
             except Exception:
                 log.exception("engine failed to stop cleanly")
 
-    def _take_all(self, items: list[tuple[int, int, Any]]) -> bool:
+    def _take_all(self, entry: tuple[float, list[tuple[int, int, Any]]]) -> bool:
         """Apply one queue entry (a loop iteration's items); True means stop."""
+        received, items = entry
         take = self._take
-        return any(take(item) for item in items)
+        return any(take(item, received) for item in items)
 
-    def _take(self, item: tuple[int, int, Any]) -> bool:
+    def _take(self, item: tuple[int, int, Any], received: float) -> bool:
         """Apply one item from the queue; True means stop."""
         slot, generation, payload = item
         if payload.__class__ is np.ndarray:
-            if not self._batcher.push(slot, generation, payload):
+            if not self._batcher.push(slot, generation, payload, received):
                 self._fail_slot(slot, generation, "frame_window_exceeded")
             return False
         if payload is _STOP:
@@ -305,8 +327,10 @@ class EngineBridge:
         self.counts.engine_errors += 1
         self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
 
-    def _step(self) -> None:
-        slots, generations, frames = self._batcher.gather()
+    def _step(self, cutoff: float = math.inf) -> None:
+        slots, generations, frames = self._batcher.gather(cutoff)
+        if not len(slots):
+            return  # a tick with nothing due yet
         started = time.perf_counter()
         self.step_started = time.monotonic()
         try:

@@ -53,6 +53,7 @@ class Orchestrator:
         engine_stall_s: float = 10.0,
         engine_factory: Callable[[], Engine] | None = None,
         coalesce_ms: float = 0.0,
+        tick_ms: float = 0.0,
         resume_grace_s: float = 0.0,
         late_frame_ms: float = 200.0,
     ) -> None:
@@ -67,6 +68,7 @@ class Orchestrator:
         self.counts = Counts()
         self._queue_size = queue_size
         self._coalesce_s = coalesce_ms / 1000.0
+        self._tick_s = tick_ms / 1000.0
         self.bridge = self._new_bridge(engine)
         self.draining = False
         self._per_client: collections.Counter[str] = collections.Counter()
@@ -93,6 +95,7 @@ class Orchestrator:
             on_step=self._observe_step,
             counts=counts,
             coalesce_s=self._coalesce_s,
+            tick_s=self._tick_s,
         )
 
     def _observe_step(self, out: StepOutput) -> None:
