@@ -119,8 +119,8 @@ class ServerConfig:
         -1.0,
         "step the engine on a clock of this period, every session with a frame in each step "
         "(docs/architecture.md: one step per frame instead of cohorts, at up to one frame of "
-        "latency); 0: step whenever a frame is pending; -1: 80 (one frame) for the moshi engine, "
-        "0 otherwise",
+        "latency); 0: step whenever a frame is pending; -1: 80 (one frame) for the moshi engine "
+        "on a GPU, 0 otherwise",
     )
 
     # Admission and bounds.
@@ -227,15 +227,18 @@ class ServerConfig:
         (docs/moshi-engine.md)."""
         if self.engine_process is not None:
             return self.engine_process
-        on_gpu = self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
-        return self.engine == "moshi" and on_gpu
+        return self.engine == "moshi" and self._on_gpu()
 
     def tick_ms(self) -> float:
-        """``--engine-tick-ms`` as set, else one frame for the moshi engine, whose step costs
-        about the same for a few sessions as for all, and 0 (step at once) for the others."""
+        """``--engine-tick-ms`` as set, else one frame for the moshi engine on a GPU, whose
+        step costs about the same for a few sessions as for all, and 0 (step at once)
+        for the others, the moshi engine on the CPU (tests, development) included."""
         if self.engine_tick_ms >= 0:
             return self.engine_tick_ms
-        return 80.0 if self.engine == "moshi" else 0.0
+        return 80.0 if self.engine == "moshi" and self._on_gpu() else 0.0
+
+    def _on_gpu(self) -> bool:
+        return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
 
     def validate(self) -> None:
         if self.max_sessions < 1:

@@ -176,3 +176,12 @@ def test_a_server_on_the_clock_answers_every_frame_exactly_and_in_order(server_f
         assert received == sent and code == 1000
     steps = server.metrics()["duplexserve_engine_steps_total"]
     assert 20 <= steps < 70  # one a frame (about 30 here), not one a session's frame (140)
+
+
+def test_the_clock_is_the_default_for_the_moshi_engine_on_a_gpu_only():
+    from duplexserve.config import ServerConfig
+
+    assert ServerConfig(engine="moshi", device="cuda").tick_ms() == 80.0
+    assert ServerConfig(engine="moshi", device="cpu").tick_ms() == 0.0
+    assert ServerConfig(engine="synthetic").tick_ms() == 0.0
+    assert ServerConfig(engine="synthetic", engine_tick_ms=40.0).tick_ms() == 40.0
