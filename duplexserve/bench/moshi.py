@@ -352,6 +352,14 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             str(ms): steps - delta(f'duplexserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}')
             for ms in (80, 100, 200)
         },
+        "gc_pauses_over_ms": {  # the server process's collector, all generations
+            str(ms): sum(
+                delta(f'duplexserve_gc_pause_seconds_count{{generation="{g}"}}')
+                - delta(f'duplexserve_gc_pause_seconds_bucket{{generation="{g}",le="{ms / 1000}"}}')
+                for g in range(3)
+            )
+            for ms in (20, 50)
+        },
         "late_frames_by_10s": _late_by_time(ok, 10.0),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),

@@ -119,6 +119,7 @@ def _attach(name: str) -> SharedMemory:
 def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) -> None:
     """The engine process: build the engine, then serve commands until stop or EOF."""
     from duplexserve.engine_bridge.factory import build_engine
+    from duplexserve.server.gc_pauses import freeze
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
     shms = [_attach(name) for name in shm_names]
@@ -151,6 +152,7 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                 elif kind == "start":
                     engine = build_engine(config)
                     engine.start()
+                    freeze()  # torch and the model: out of every later collection's walk
                     conn.send(("ok", None))
                 elif kind == "stop":
                     conn.send(("ok", None))

@@ -22,6 +22,7 @@ from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
+from duplexserve.server import gc_pauses
 from duplexserve.server.connection import Connection, Receive, Scope, Send
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.moshi_chat import MoshiConnection
@@ -74,9 +75,12 @@ class DuplexApp:
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         await self.orchestrator.start()
+        gc_pauses.freeze()  # after the engine and everything else of the startup exist
+        self.metrics.gc_pauses.start()
         try:
             yield
         finally:
+            self.metrics.gc_pauses.stop()
             await self.orchestrator.stop()
             self.codec_pool.shutdown(wait=False, cancel_futures=True)
             self.codec_procs.close()

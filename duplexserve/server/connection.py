@@ -43,7 +43,7 @@ from duplexserve.server import auth
 from duplexserve.server.eager import run_eager
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
-from duplexserve.server.session import Session
+from duplexserve.server.session import Session, no_notify
 from duplexserve.server.turnaround import FLUSH_FRAMES
 from duplexserve.server.ws_protocol import EXTENSION, FastWebSocketProtocol
 
@@ -152,6 +152,18 @@ class Connection(ABC):
                 self.orch.pump(session)
             if session.timer is not None:
                 session.timer.flush()
+            self._release(session)
+
+    def _release(self, session: Session) -> None:
+        """Break the reference cycles between this connection, its socket and its session
+        (bound methods held as callbacks), so they are freed when the connection ends and
+        not by the cyclic garbage collector, whose one pass over many ended sessions
+        stops the loop (docs/architecture.md)."""
+        if session.notify in (self._wake, self._wake_fast):  # not a resumed session's new one
+            session.notify = no_notify
+        if self._sock is not None:
+            self._sock.release()
+            self._sock = None
 
     async def _serve_tasks(self, session: Session) -> None:
         """The ASGI path: a reader task and a writer task until the connection ends."""

@@ -15,6 +15,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from duplexserve.engine_bridge.bridge import StepOutput
+from duplexserve.server.gc_pauses import GcPauses
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.turnaround import BUCKETS as TURNAROUND_BUCKETS
 
@@ -118,6 +119,7 @@ class Metrics:
             "duplexserve_engine_batch_size", "sessions per engine step",
             buckets=BATCH_BUCKETS, registry=self.registry,
         )
+        self.gc_pauses = GcPauses(self.registry)
 
     def observe_step(self, out: StepOutput) -> None:
         self.step_seconds.observe(out.duration_s)

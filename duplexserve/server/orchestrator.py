@@ -21,7 +21,7 @@ from duplexserve import errors
 from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.server.resume import ResumeRegistry
-from duplexserve.server.session import Limits, Session, State
+from duplexserve.server.session import Limits, Session, State, no_notify
 from duplexserve.server.turnaround import FrameTimer, TurnaroundTotals
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ class Counts:
     frames_in: int = 0
     frames_out: int = 0
     frames_dropped: int = 0
-
-
-def _noop() -> None:
-    pass
 
 
 class Orchestrator:
@@ -216,7 +212,7 @@ class Orchestrator:
             self.close(session, "disconnected", errors.GOING_AWAY)
             return False
         assert self._loop is not None
-        session.notify = _noop
+        session.notify = no_notify
         self.resume.detach(entry, self._loop)
         return True
 

@@ -41,8 +41,8 @@ class Limits:
     max_output_frames: int = 256  # answered but not yet taken by the socket writer
 
 
-def _noop() -> None:
-    pass
+def no_notify() -> None:
+    """A session nobody is connected to (not yet, or detached): nothing to wake."""
 
 
 class Session:
@@ -67,7 +67,7 @@ class Session:
         #: ``FrameTimer.arrived`` without the Python call: the list's own extend.
         self._arrived = timer.arrivals.extend if timer is not None else None
         #: Called after the session queued something or freed room; the adapter wakes on it.
-        self.notify: Callable[[], None] = _noop
+        self.notify: Callable[[], None] = no_notify
         self._partial = np.zeros(0, dtype=np.float32)
         self._pending: collections.deque[np.ndarray] = collections.deque()
         self._out: collections.deque[Outgoing] = collections.deque()

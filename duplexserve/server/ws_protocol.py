@@ -217,7 +217,19 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_gone(self) -> None:
         self._on_message = None
         on_lost, self._on_lost = self._on_lost, _ignore
+        self._on_writable = _ignore
         on_lost()
+
+    def release(self) -> None:
+        """The app is done with this connection: drop its callbacks and the scope's
+        reference back to this protocol, so that no reference cycle keeps the connection
+        and its session alive until the cyclic garbage collector runs (with hundreds of
+        sessions ending together, one collection stops the loop for tens of ms)."""
+        self._on_message = None
+        self._on_lost = self._on_writable = _ignore
+        scope = getattr(self, "scope", None)
+        if scope is not None:
+            scope["extensions"].pop(EXTENSION, None)
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
