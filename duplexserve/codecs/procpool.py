@@ -159,6 +159,25 @@ class _Worker:
         self.request(op, cid, payload)
         self._waiting.append(done)
 
+    def submit_frame(self, op: int, cid: int, payload: bytes | memoryview, done: Done) -> None:
+        """``submit`` for the per-frame requests (DECODE, ENCODE, with a payload), inlined:
+        one Python call a frame instead of three."""
+        if not self.alive:
+            raise CodecProcessError("codec worker is gone")
+        n = len(payload)
+        batch = self._batch
+        batch.append(REQUEST.pack(op, cid, n))
+        batch.append(payload)
+        self._batch_bytes += REQUEST.size + n
+        self._waiting.append(done)
+        flush_at = self._flush_at
+        if flush_at is None:
+            loop, delay = self.loop, self._batch_s
+            self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
+        elif len(batch) == _FULL_BATCH and isinstance(flush_at, asyncio.TimerHandle):
+            flush_at.cancel()
+            self._flush_at = self.loop.call_soon(self._flush)
+
     async def call(self, op: int, cid: int, payload: bytes | memoryview) -> bytes:
         """The same, awaited: the result as bytes, or FormatError / CodecProcessError."""
         future = self.loop.create_future()
@@ -333,6 +352,7 @@ class _RemoteCodec:
 
     def __init__(self, worker: _Worker, cid: int, cost: int) -> None:
         self._worker, self._cid = worker, cid
+        self._submit = worker.submit_frame
         self._release = weakref.finalize(self, _release, worker, cid, cost)
         self._release.atexit = False
 
@@ -347,7 +367,7 @@ class RemoteOpusDecoder(_RemoteCodec):
     def submit(self, data: bytes | memoryview, done: Done) -> None:
         """Decode ``data``; ``done(OK, body)`` gets the float32 samples' bytes (``Done``).
         Raises CodecProcessError at once if the worker is gone."""
-        self._worker.submit(OP_DECODE, self._cid, data, done)
+        self._submit(OP_DECODE, self._cid, data, done)
 
     def decode(self, data: bytes) -> np.ndarray:
         raise TypeError("this decoder lives in a codec process: await decode_async()")
@@ -364,8 +384,9 @@ class RemoteOpusEncoder(_RemoteCodec):
     def submit(self, frame: np.ndarray, done: Done) -> None:
         """Encode one frame; ``done(OK, body)`` gets the message's bytes (``Done``).
         Raises CodecProcessError at once if the worker is gone."""
-        samples = np.ascontiguousarray(frame, dtype=np.float32)
-        self._worker.submit(OP_ENCODE, self._cid, memoryview(samples).cast("B"), done)
+        samples = frame if frame.flags.c_contiguous and frame.dtype == np.float32 else \
+            np.ascontiguousarray(frame, dtype=np.float32)
+        self._submit(OP_ENCODE, self._cid, memoryview(samples).cast("B"), done)
 
     def encode(self, frame: np.ndarray) -> bytes:
         raise TypeError("this encoder lives in a codec process: await encode_async()")

@@ -546,6 +546,8 @@ class Connection(ABC):
             return
         session, sock = self.session, self._sock
         assert session is not None and sock is not None
+        if not session.has_outgoing:  # a decoded message, say: nothing to send yet
+            return
         sock.cork()
         try:
             self._drain(session, sock)
