@@ -178,3 +178,48 @@ def test_worker_replies_go_to_their_callbacks_in_order_and_a_dead_worker_fails_t
     want = [(i, OK, refs[i].encode(f)) for _ in range(2) for i, f in enumerate(frames)]
     assert got == want  # each callback got its own session's pages, in the order asked
     assert failed == [FAILED] * len(frames)
+
+
+@pytest.mark.parametrize("path", ["native", "moshi"])
+def test_reading_pauses_while_decoded_frames_wait_for_a_slow_engine(path):
+    """Each message is decoded before the next comes (a 15 ms gap), so none queues up
+    behind a decode; still, once 64 decoded frames wait for the engine (10 steps a second)
+    reading pauses, and the frames waiting stay bounded."""
+    first, *rest = wire_messages(speechlike(MODEL_RATE, seed=60, seconds=0.4), OPUS, 80)
+    prefix = b"\x01" if path == "moshi" else b""
+    count = 300
+    with InProcessServer(codec_processes=1, codec_batch_ms=0.0, step_base_ms=100.0,
+                         max_pending_frames=64) as server:
+        most = 0
+        stop = threading.Event()
+
+        def watch() -> None:  # the waiting frames of every session, seen from another thread
+            nonlocal most
+            while not stop.is_set():
+                for session in list(server.app.orchestrator._by_slot):
+                    if session is not None:
+                        most = max(most, len(session._pending))
+                time.sleep(0.002)
+
+        async def main() -> int:
+            url = server.ws("/api/chat") if path == "moshi" else server.ws(query=query(OPUS, OPUS))
+            async with websockets.connect(url, compression=None, max_size=None) as ws:
+                await ws.recv()  # session.created, or the handshake byte
+                for k in range(count):  # the reader takes any page after the headers
+                    await ws.send(prefix + (first if k == 0 else rest[k % len(rest)]))
+                    await asyncio.sleep(0.015)
+                received = 0
+                while received < 20:  # the session is alive and answering what it took
+                    message = await asyncio.wait_for(ws.recv(), 10)
+                    received += isinstance(message, bytes) and message[:1] != b"\x02"
+                return received
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            received = asyncio.run(main())
+        finally:
+            stop.set()
+            watcher.join()
+    assert received == 20
+    assert 64 <= most <= 64 + 8, most  # without the pause: hundreds

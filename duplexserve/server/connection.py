@@ -521,6 +521,9 @@ class Connection(ABC):
             log.exception("session %s failed", session.id)
             self.orch.close(session, "internal_error", errors.INTERNAL)
         self.orch.pump(session)
+        if session.input_paused and not session.closed:  # the engine is behind: hold the client
+            assert self._sock is not None
+            self._sock.pause_reading()
         self._lane_done(None)
 
     def _lane_done(self, _: asyncio.Task[None] | None) -> None:
