@@ -104,6 +104,7 @@ class _Worker:
         self._batch_bytes = 0
         self._batch_s = batch_s
         self._flush_at: asyncio.Handle | None = None
+        self._timed = False  # _flush_at is the batch window's timer (not a call_soon)
         self._rest = b""  # an incomplete reply, from the end of the last recv
         # recv_into one reused buffer: recv(n) would allocate (and, past 128 KiB, mmap) n bytes a call.
         self._chunk = bytearray(RECV_SIZE)
@@ -120,19 +121,29 @@ class _Worker:
         if n:
             batch.append(payload)
         self._batch_bytes += REQUEST.size + n
-        flush_at = self._flush_at
-        if flush_at is None:
-            loop = self.loop
-            delay = self._batch_s
-            self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
-        elif len(batch) == _FULL_BATCH and isinstance(flush_at, asyncio.TimerHandle):
-            # Enough to share the wake-ups already (every session's encode after an engine
-            # step): send at the end of this iteration rather than wait out the timer.
-            flush_at.cancel()
-            self._flush_at = self.loop.call_soon(self._flush)
+        if self._flush_at is None:
+            self._schedule()
+        elif self._timed and len(batch) >= _FULL_BATCH:
+            self._send_soon()
+
+    def _schedule(self) -> None:
+        delay, loop = self._batch_s, self.loop
+        self._timed = bool(delay)
+        self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
+
+    def _send_soon(self) -> None:
+        """Enough requests to share the wake-ups already (every session's encode after an
+        engine step): send at the end of this iteration rather than wait out the timer.
+        (A flag, not ``isinstance(handle, asyncio.TimerHandle)``: uvloop's timer handles
+        are not asyncio's, and the check never held in the server.)"""
+        assert self._flush_at is not None
+        self._flush_at.cancel()
+        self._timed = False
+        self._flush_at = self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_at = None
+        self._timed = False
         batch, self._batch = self._batch, []
         total, self._batch_bytes = self._batch_bytes, 0
         if not self.alive or not batch:
@@ -170,13 +181,10 @@ class _Worker:
         batch.append(payload)
         self._batch_bytes += REQUEST.size + n
         self._waiting.append(done)
-        flush_at = self._flush_at
-        if flush_at is None:
-            loop, delay = self.loop, self._batch_s
-            self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
-        elif len(batch) == _FULL_BATCH and isinstance(flush_at, asyncio.TimerHandle):
-            flush_at.cancel()
-            self._flush_at = self.loop.call_soon(self._flush)
+        if self._flush_at is None:
+            self._schedule()
+        elif self._timed and len(batch) >= _FULL_BATCH:
+            self._send_soon()
 
     async def call(self, op: int, cid: int, payload: bytes | memoryview) -> bytes:
         """The same, awaited: the result as bytes, or FormatError / CodecProcessError."""
