@@ -75,3 +75,37 @@ def test_batch_window_is_validated():
         with pytest.raises(ValueError, match="codec_batch_ms"):
             ServerConfig(codec_batch_ms=bad).validate()
     assert ServerConfig().codec_batch_ms == 2.0
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_full_batch_leaves_at_once_not_after_the_window(loop):
+    """16 requests (an engine step's encodes) go out in this loop iteration, on uvloop too
+    (whose timer handles are not asyncio's), not when the 20 ms window ends."""
+    import time
+
+    import uvloop
+
+    frame = tone(440, 0.08)[:1920]
+
+    async def main():
+        procs = CodecProcesses(1, batch_ms=20.0)
+        try:
+            encs = [make_encoder(AudioFormat("opus"), procs) for _ in range(16)]
+            await encs[0].encode_async(np.zeros(0, np.float32))  # the worker is up
+            worker = encs[0]._worker
+            sent_at = []
+
+            class Timed(CountingSocket):
+                def sendmsg(self, buffers):
+                    sent_at.append(time.perf_counter())
+                    return super().sendmsg(buffers)
+
+            worker.sock = Timed(worker.sock)
+            start = time.perf_counter()
+            await asyncio.gather(*(e.encode_async(frame) for e in encs))
+            return sent_at[0] - start
+        finally:
+            procs.close()
+
+    waited = uvloop.run(main()) if loop == "uvloop" else asyncio.run(main())
+    assert waited < 0.010, waited

@@ -6,7 +6,7 @@ on another core and the loop pays only the hand-off (docs/codecs.md). Each worke
 child process (``worker.py``) behind a Unix socket pair. A session's codec lives in one
 worker, chosen when it opens (the one with the least open cost, ``COST``), and all its
 requests go there; the worker answers in the order it was asked, so replies are matched
-to waiting futures by order alone.
+to their requesters by order alone.
 
 The hand-off is paid per batch, not per frame: paced sessions send at their own moments,
 so a loop iteration often makes one request, and one ``sendmsg``, one worker wake-up and
@@ -14,7 +14,12 @@ one reply read per request cost the loop more than the request itself. Requests 
 to ``batch_ms`` (``--codec-batch-ms``, 2 ms) to leave together (at once when 16 have
 gathered, as every session's encode after an engine step does), the worker serves a
 whole batch before it answers in one ``sendmsg``, and a reader callback drains every
-reply that has arrived, resolving their futures in one go.
+reply that has arrived and hands each to its requester in one go.
+
+A reply goes to a plain callback, ``done(status, body)`` (``submit``): the connection's
+fast path resumes the session's message right there, with no future, no task and no
+loop turn per frame, so one read of the worker's socket feeds every session it answered.
+``call`` wraps the same in a future for code that awaits.
 
 Wire layout, little-endian: request ``u8 op, u32 codec id, u32 length, payload``;
 reply ``u8 status, u32 length, payload``, one per DECODE or ENCODE request. The payload
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -33,6 +39,7 @@ import struct
 import subprocess
 import sys
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -62,6 +69,11 @@ _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 RECV_SIZE = 256 << 10
 _EMPTY = np.zeros(0, dtype=np.float32)
 
+#: Where a reply goes: ``done(status, body)``, status OK (body: the result, a view of the
+#: received bytes, valid as long as it is referenced), FORMAT_ERROR or FAILED (body: the
+#: message, UTF-8). Called on the loop thread, from the worker socket's reader callback.
+Done = Callable[[int, "bytes | memoryview"], None]
+
 
 class CodecProcessError(RuntimeError):
     """A codec worker failed or went away; the sessions it served cannot go on."""
@@ -86,11 +98,13 @@ class _Worker:
         self.fd = parent.fileno()
         self.alive = True
         self.load = 0  # cost units of the codecs open here (COST)
-        self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self._waiting: collections.deque[Done] = collections.deque()  # one per DECODE/ENCODE sent
         self._unsent: collections.deque[bytes] = collections.deque()
         self._batch: list[bytes | memoryview] = []  # requests not yet sent
+        self._batch_bytes = 0
         self._batch_s = batch_s
         self._flush_at: asyncio.Handle | None = None
+        self._timed = False  # _flush_at is the batch window's timer (not a call_soon)
         self._rest = b""  # an incomplete reply, from the end of the last recv
         # recv_into one reused buffer: recv(n) would allocate (and, past 128 KiB, mmap) n bytes a call.
         self._chunk = bytearray(RECV_SIZE)
@@ -102,23 +116,36 @@ class _Worker:
         if not self.alive:
             raise CodecProcessError("codec worker is gone")
         batch = self._batch
-        batch.append(REQUEST.pack(op, cid, len(payload)))
-        if payload:
+        n = len(payload)
+        batch.append(REQUEST.pack(op, cid, n))
+        if n:
             batch.append(payload)
-        flush_at = self._flush_at
-        if flush_at is None:
-            loop = self.loop
-            delay = self._batch_s
-            self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
-        elif len(batch) == _FULL_BATCH and isinstance(flush_at, asyncio.TimerHandle):
-            # Enough to share the wake-ups already (every session's encode after an engine
-            # step): send at the end of this iteration rather than wait out the timer.
-            flush_at.cancel()
-            self._flush_at = self.loop.call_soon(self._flush)
+        self._batch_bytes += REQUEST.size + n
+        if self._flush_at is None:
+            self._schedule()
+        elif self._timed and len(batch) >= _FULL_BATCH:
+            self._send_soon()
+
+    def _schedule(self) -> None:
+        delay, loop = self._batch_s, self.loop
+        self._timed = bool(delay)
+        self._flush_at = loop.call_later(delay, self._flush) if delay else loop.call_soon(self._flush)
+
+    def _send_soon(self) -> None:
+        """Enough requests to share the wake-ups already (every session's encode after an
+        engine step): send at the end of this iteration rather than wait out the timer.
+        (A flag, not ``isinstance(handle, asyncio.TimerHandle)``: uvloop's timer handles
+        are not asyncio's, and the check never held in the server.)"""
+        assert self._flush_at is not None
+        self._flush_at.cancel()
+        self._timed = False
+        self._flush_at = self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_at = None
+        self._timed = False
         batch, self._batch = self._batch, []
+        total, self._batch_bytes = self._batch_bytes, 0
         if not self.alive or not batch:
             return
         if self._unsent or len(batch) > _MAX_IOV:
@@ -127,7 +154,6 @@ class _Worker:
                 self._unsent.append(data)
                 return
             batch = [data]
-        total = sum(len(b) for b in batch)
         try:
             sent = self.sock.sendmsg(batch)
         except BlockingIOError:
@@ -139,10 +165,31 @@ class _Worker:
             self._unsent.append(b"".join(batch)[sent:])
             self.loop.add_writer(self.fd, self._on_writable)
 
-    async def call(self, op: int, cid: int, payload: bytes | memoryview) -> bytes:
+    def submit(self, op: int, cid: int, payload: bytes | memoryview, done: Done) -> None:
+        """Queue a request whose reply goes to ``done(status, body)`` (``Done``)."""
         self.request(op, cid, payload)
+        self._waiting.append(done)
+
+    def submit_frame(self, op: int, cid: int, payload: bytes | memoryview, done: Done) -> None:
+        """``submit`` for the per-frame requests (DECODE, ENCODE, with a payload), inlined:
+        one Python call a frame instead of three."""
+        if not self.alive:
+            raise CodecProcessError("codec worker is gone")
+        n = len(payload)
+        batch = self._batch
+        batch.append(REQUEST.pack(op, cid, n))
+        batch.append(payload)
+        self._batch_bytes += REQUEST.size + n
+        self._waiting.append(done)
+        if self._flush_at is None:
+            self._schedule()
+        elif self._timed and len(batch) >= _FULL_BATCH:
+            self._send_soon()
+
+    async def call(self, op: int, cid: int, payload: bytes | memoryview) -> bytes:
+        """The same, awaited: the result as bytes, or FormatError / CodecProcessError."""
         future = self.loop.create_future()
-        self._waiting.append(future)
+        self.submit(op, cid, payload, functools.partial(_resolve, future))
         return await future
 
     def _on_writable(self) -> None:
@@ -173,6 +220,7 @@ class _Worker:
             self._fail(CodecProcessError(f"codec worker exited ({self.proc.poll()})"))
             return
         data = self._rest + self._chunk_view[:n] if self._rest else bytes(self._chunk_view[:n])
+        view = memoryview(data)  # immutable bytes: the bodies are views, not copies
         pos, end, hdr, unpack = 0, len(data), REPLY.size, REPLY.unpack_from
         waiting = self._waiting
         while end - pos >= hdr:
@@ -181,16 +229,11 @@ class _Worker:
             if end - start < length:
                 break
             pos = start + length
-            body = data[start:pos]
-            future = waiting.popleft()
-            if future.done():  # its session stopped waiting
-                continue
-            if status == OK:
-                future.set_result(body)
-            elif status == FORMAT_ERROR:
-                future.set_exception(FormatError(body.decode(errors="replace")))
-            else:
-                future.set_exception(CodecProcessError(body.decode(errors="replace")))
+            done = waiting.popleft()
+            try:
+                done(status, view[start:pos])
+            except Exception:  # one session's bug must not stop the replies of the others
+                log.exception("codec reply callback failed")
         self._rest = data[pos:] if pos < end else b""
 
     def _fail(self, exc: CodecProcessError) -> None:
@@ -201,10 +244,11 @@ class _Worker:
         self.loop.remove_reader(self.fd)
         self.loop.remove_writer(self.fd)
         self.sock.close()
+        message = str(exc).encode()
         while self._waiting:
-            future = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(exc)
+            done = self._waiting.popleft()
+            with contextlib.suppress(Exception):
+                done(FAILED, message)
         if self.proc.poll() is None:
             self.proc.kill()
 
@@ -273,6 +317,21 @@ class CodecProcesses:
         self._workers.clear()
 
 
+def _resolve(future: asyncio.Future[bytes], status: int, body: bytes | memoryview) -> None:
+    if future.done():  # its session stopped waiting
+        return
+    if status == OK:
+        future.set_result(bytes(body))
+    else:
+        future.set_exception(reply_error(status, body))
+
+
+def reply_error(status: int, body: bytes | memoryview) -> Exception:
+    """The exception a non-OK reply stands for (FormatError: the input is at fault)."""
+    text = bytes(body).decode(errors="replace")
+    return FormatError(text) if status == FORMAT_ERROR else CodecProcessError(text)
+
+
 def _process_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -301,6 +360,7 @@ class _RemoteCodec:
 
     def __init__(self, worker: _Worker, cid: int, cost: int) -> None:
         self._worker, self._cid = worker, cid
+        self._submit = worker.submit_frame
         self._release = weakref.finalize(self, _release, worker, cid, cost)
         self._release.atexit = False
 
@@ -311,6 +371,11 @@ class _RemoteCodec:
 class RemoteOpusDecoder(_RemoteCodec):
     async def decode_async(self, data: bytes) -> np.ndarray:
         return np.frombuffer(await self._worker.call(OP_DECODE, self._cid, data), dtype=np.float32)
+
+    def submit(self, data: bytes | memoryview, done: Done) -> None:
+        """Decode ``data``; ``done(OK, body)`` gets the float32 samples' bytes (``Done``).
+        Raises CodecProcessError at once if the worker is gone."""
+        self._submit(OP_DECODE, self._cid, data, done)
 
     def decode(self, data: bytes) -> np.ndarray:
         raise TypeError("this decoder lives in a codec process: await decode_async()")
@@ -323,6 +388,13 @@ class RemoteOpusEncoder(_RemoteCodec):
     async def encode_async(self, frame: np.ndarray) -> bytes:
         samples = np.ascontiguousarray(frame, dtype=np.float32)
         return await self._worker.call(OP_ENCODE, self._cid, memoryview(samples).cast("B"))
+
+    def submit(self, frame: np.ndarray, done: Done) -> None:
+        """Encode one frame; ``done(OK, body)`` gets the message's bytes (``Done``).
+        Raises CodecProcessError at once if the worker is gone."""
+        samples = frame if frame.flags.c_contiguous and frame.dtype == np.float32 else \
+            np.ascontiguousarray(frame, dtype=np.float32)
+        self._submit(OP_ENCODE, self._cid, memoryview(samples).cast("B"), done)
 
     def encode(self, frame: np.ndarray) -> bytes:
         raise TypeError("this encoder lives in a codec process: await encode_async()")

@@ -14,7 +14,10 @@ Two ways to move the data, the same adapters on both:
   callback and each answer is sent from the engine-results callback, both run eagerly
   (server/eager.py), so a message that needs no real wait costs no task, no future and
   no queue; only a message that must wait (a codec in another process or thread) starts
-  a task, and the messages behind it queue up behind it in order while reading pauses;
+  a task, and the messages behind it queue up behind it in order while reading pauses.
+  Audio for a codec worker process (Opus) takes no task either: the request goes out
+  with a callback (``procpool.Done``) that the worker's batched reply calls, which feeds
+  the session or sends the answer and goes on with what queued up behind it;
 - the ASGI path anywhere else (another server, ``--ws websockets-sansio``): a reader
   task and a writer task per session over ``receive`` and ``send``.
 """
@@ -35,8 +38,9 @@ from urllib.parse import parse_qsl
 import numpy as np
 
 from duplexserve import errors
+from duplexserve.codecs.formats import FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder
-from duplexserve.codecs.procpool import CodecProcesses
+from duplexserve.codecs.procpool import OK, CodecProcessError, CodecProcesses, reply_error
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server import auth
@@ -55,6 +59,19 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: How long a closed session's connection may take to finish its close handshake.
 CLOSE_GRACE_S = 10.0
+
+
+class _CodecWait:
+    """The fast path waits on a codec worker's reply (``Connection._lane`` or
+    ``_writing``, where a task would otherwise be): cancelled, the reply is dropped."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class Connection(ABC):
@@ -99,9 +116,12 @@ class Connection(ABC):
         self._sock: FastWebSocketProtocol | None = None
         self._done: asyncio.Future[str] | None = None  # fast path: why the streaming ended
         self._gone: asyncio.Future[None] | None = None  # fast path: the connection is lost
-        self._lane: asyncio.Task[None] | None = None  # fast path: a message that had to wait
+        # Fast path: a message that had to wait (a task, or a codec worker's reply).
+        self._lane: asyncio.Task[None] | _CodecWait | None = None
         self._backlog: collections.deque[bytes | str] = collections.deque()
-        self._writing: asyncio.Task[None] | None = None  # fast path: an answer that had to wait
+        # Fast path: an answer that had to wait (a task, or a codec worker's reply).
+        self._writing: asyncio.Task[None] | _CodecWait | None = None
+        self._encoding: AudioOut | None = None  # the answer a codec worker is encoding
         self._close_sent = False
 
     # ------------------------------------------------------------- adapter hooks
@@ -118,6 +138,22 @@ class Connection(ABC):
     @abstractmethod
     async def render(self, item: Outgoing) -> None:
         """Send one outgoing item in this protocol's wire form."""
+
+    # Fast-path hooks for codecs in a worker process (Opus): a message or an answer goes
+    # to the worker with a callback instead of through ``on_binary`` / ``render``.
+    def audio_payload(self, data: bytes) -> bytes | memoryview | None:
+        """The bytes of binary message ``data`` for the remote decoder, when the message
+        is audio and nothing else; None: ``on_binary`` handles it."""
+        return None
+
+    def audio_to_encode(self, item: AudioOut) -> np.ndarray | None:
+        """The samples of ``item`` for the remote encoder (any bookkeeping done);
+        None: ``render`` handles it."""
+        return None
+
+    def send_audio(self, item: AudioOut, data: bytes | memoryview) -> None:
+        """Send ``item`` encoded as ``data`` (what ``render`` does after its encode)."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------------- plumbing
     async def run(self) -> None:
@@ -378,14 +414,17 @@ class Connection(ABC):
         await self.render(item)
         cls = item.__class__
         if cls is AudioOut:
-            timer = self.session.timer if self.session is not None else None
-            if timer is not None:  # in order: the index is implied
-                timer.sent_times.append(self._loop.time())
-                if len(timer.sent_times) >= FLUSH_FRAMES:
-                    timer.flush()
+            self._audio_sent()
         elif cls is ClosedOut:
             await self.close(item.close_code, item.reason)  # type: ignore[attr-defined]
             self._close_sent = True
+
+    def _audio_sent(self) -> None:
+        timer = self.session.timer if self.session is not None else None
+        if timer is not None:  # in order: the index is implied
+            timer.sent_times.append(self._loop.time())
+            if len(timer.sent_times) >= FLUSH_FRAMES:
+                timer.flush()
 
     # ------------------------------------------------------------ the ASGI path
     async def _read_loop(self, session: Session) -> None:
@@ -436,10 +475,23 @@ class Connection(ABC):
             return
         if self._lane is not None:  # an earlier message still waits: this one goes after it
             self._backlog.append(data)
+            assert self._sock is not None
+            self._sock.pause_reading()
             return
-        lane = run_eager(self._receive_one(data))
         session = self.session
         assert session is not None and self._sock is not None
+        decoder = self.decoder
+        if (
+            decoder is not None
+            and decoder.remote
+            and data.__class__ is bytes
+            and len(data) <= self.config.max_message_bytes
+        ):
+            payload = self.audio_payload(data)  # type: ignore[arg-type]
+            if payload is not None:
+                self._decode_remote(session, decoder, payload)
+                return
+        lane = run_eager(self._receive_one(data))
         if lane is not None:
             self._lane = lane
             self._sock.pause_reading()
@@ -447,7 +499,46 @@ class Connection(ABC):
         elif session.input_paused and not session.closed:
             self._sock.pause_reading()
 
-    def _lane_done(self, _: asyncio.Task[None]) -> None:
+    def _decode_remote(self, session: Session, decoder: Decoder, payload: bytes | memoryview) -> None:
+        """Hand one audio message to the session's codec worker; ``_decoded`` goes on.
+        Reading goes on meanwhile: a message that comes before the reply queues up (and
+        pauses reading), so a paced session pays no pause and resume per message."""
+        session.last_activity = self._loop.time()
+        self.orch.bridge.counts.executor_submissions += 1
+        self._lane = _CodecWait()
+        try:
+            decoder.submit(payload, self._decoded)  # type: ignore[attr-defined]
+        except CodecProcessError as exc:
+            self._decoded(-1, str(exc).encode())
+
+    def _decoded(self, status: int, body: bytes | memoryview) -> None:
+        """The codec worker's answer to ``_decode_remote``: what ``_receive_one`` does after
+        its ``await self.decode(...)``, then the messages that queued up behind it."""
+        lane = self._lane
+        if lane is None or lane.__class__ is not _CodecWait or lane.cancelled:  # type: ignore[union-attr]
+            return  # the connection stopped waiting (it ended, or a resume took it over)
+        self._lane = None
+        session = self.session
+        assert session is not None
+        try:
+            if status == OK:
+                session.receive_audio(np.frombuffer(body, dtype=np.float32))
+            else:
+                raise reply_error(status, body)
+        except FormatError as exc:  # the Ogg stream cannot recover: this session ends
+            session.error(SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA))
+        except SessionError as exc:
+            session.error(exc)
+        except Exception:  # a codec worker gone (or a bug) costs this session only
+            log.exception("session %s failed", session.id)
+            self.orch.close(session, "internal_error", errors.INTERNAL)
+        self.orch.pump(session)
+        if session.input_paused and not session.closed:  # the engine is behind: hold the client
+            assert self._sock is not None
+            self._sock.pause_reading()
+        self._lane_done(None)
+
+    def _lane_done(self, _: asyncio.Task[None] | None) -> None:
         self._lane = None
         backlog = self._backlog
         while backlog and self._lane is None and not self.replaced:
@@ -470,26 +561,74 @@ class Connection(ABC):
             return
         session, sock = self.session, self._sock
         assert session is not None and sock is not None
+        if not session.has_outgoing:  # a decoded message, say: nothing to send yet
+            return
         sock.cork()
         try:
-            while sock.can_write:
-                item = session.pop_outgoing()
-                if item is None:
+            self._drain(session, sock)
+        finally:
+            sock.uncork()
+
+    def _drain(self, session: Session, sock: FastWebSocketProtocol) -> None:
+        """``_flush``'s loop, inside its cork."""
+        while sock.can_write:
+            item = session.pop_outgoing()
+            if item is None:
+                return
+            if item.__class__ is AudioOut and self.encoder is not None and self.encoder.remote:
+                samples = self.audio_to_encode(item)  # type: ignore[arg-type]
+                if samples is not None:
+                    self._encode_remote(item, samples)  # type: ignore[arg-type]
                     return
-                try:
-                    writing = run_eager(self._send_item(item))
-                except Exception as exc:  # the client is gone (or a bug): this session ends
-                    if not isinstance(exc, (OSError, RuntimeError)):
-                        log.exception("writer of session %s failed", session.id)
-                    self._stop("broken")
-                    return
-                if writing is not None:
-                    self._writing = writing
-                    writing.add_done_callback(self._writing_done)
-                    return
-                if self._close_sent:
-                    self._stop("closed")
-                    return
+            try:
+                writing = run_eager(self._send_item(item))
+            except Exception as exc:  # the client is gone (or a bug): this session ends
+                if not isinstance(exc, (OSError, RuntimeError)):
+                    log.exception("writer of session %s failed", session.id)
+                self._stop("broken")
+                return
+            if writing is not None:
+                self._writing = writing
+                writing.add_done_callback(self._writing_done)
+                return
+            if self._close_sent:
+                self._stop("closed")
+                return
+
+    def _encode_remote(self, item: AudioOut, samples: np.ndarray) -> None:
+        """Hand one answer to the session's codec worker; ``_encoded`` sends it and goes on."""
+        self.orch.bridge.counts.executor_submissions += 1
+        self._writing, self._encoding = _CodecWait(), item
+        try:
+            self.encoder.submit(samples, self._encoded)  # type: ignore[union-attr]
+        except CodecProcessError as exc:
+            self._loop.call_soon(self._encoded, -1, str(exc).encode())  # not inside the cork
+
+    def _encoded(self, status: int, body: bytes | memoryview) -> None:
+        """The codec worker's answer to ``_encode_remote``: send it, then what queued behind."""
+        writing, item = self._writing, self._encoding
+        if writing is None or writing.__class__ is not _CodecWait or writing.cancelled:  # type: ignore[union-attr]
+            return
+        self._writing = self._encoding = None
+        session, sock = self.session, self._sock
+        assert session is not None and sock is not None and item is not None
+        if status != OK:  # the codec worker is gone: as a failed send, this session ends
+            log.debug("session %s: %s", session.id, reply_error(status, body))
+            self._stop("broken")
+            return
+        if self.replaced or self._close_sent:
+            return
+        sock.cork()
+        try:
+            try:
+                self.send_audio(item, body)
+            except Exception as exc:  # the client is gone (or a bug): this session ends
+                if not isinstance(exc, (OSError, RuntimeError)):
+                    log.exception("writer of session %s failed", session.id)
+                self._stop("broken")
+                return
+            self._audio_sent()
+            self._drain(session, sock)
         finally:
             sock.uncork()
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import numpy as np
+
 from duplexserve import errors
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
@@ -110,6 +112,18 @@ class MoshiConnection(Connection):
         except FormatError as exc:  # the Ogg stream cannot recover: this session ends
             raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
         await self.feed(samples)
+
+    def audio_payload(self, data: bytes) -> memoryview | None:
+        """Opus for the codec worker, straight from the fast path (``Connection``)."""
+        return memoryview(data)[1:] if data and data[0] == AUDIO else None
+
+    def audio_to_encode(self, item: AudioOut) -> np.ndarray:
+        return item.audio
+
+    def send_audio(self, item: AudioOut, data: bytes | memoryview) -> None:
+        if data:
+            assert self._sock is not None
+            self._sock.send_bytes(_AUDIO_PREFIX + data)
 
     async def on_text(self, text: str) -> None:
         """Kyutai's server logs and ignores text frames; say so, and go on."""

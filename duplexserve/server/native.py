@@ -234,6 +234,13 @@ class NativeConnection(Connection):
             raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
         await self.feed(samples)
 
+    def audio_payload(self, data: bytes) -> bytes | None:
+        """Opus for the codec worker, straight from the fast path (``Connection``)."""
+        if self._skip_bytes:
+            return None
+        self._wire_bytes += len(data)
+        return data
+
     async def on_text(self, text: str) -> None:
         try:
             event = json.loads(text)
@@ -293,6 +300,18 @@ class NativeConnection(Connection):
         session.end_input()
 
     # ------------------------------------------------------------------ outgoing
+    def audio_to_encode(self, item: AudioOut) -> np.ndarray:
+        """As ``render``: the model audio is kept for a replay before it is encoded."""
+        audio = np.ascontiguousarray(item.audio, dtype=np.float32)
+        sent = self._sent_audio
+        if sent is not None:
+            sent.add(item.index, memoryview(audio).cast("B"))
+        return audio
+
+    def send_audio(self, item: AudioOut, data: bytes | memoryview) -> None:
+        assert self._sock is not None
+        self._sock.send_bytes(data)
+
     async def render(self, item: Outgoing) -> None:
         cls = item.__class__
         if cls is AudioOut:

@@ -113,4 +113,5 @@ def serve(config: ServerConfig) -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "duplexserve"):
         logging.getLogger(name).addFilter(redact)
     app = create_app(config)
+    app.freeze_gc = True
     DrainingServer(uvicorn_config(config, app), app, config.drain_grace_s).run()
