@@ -360,6 +360,16 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             )
             for ms in (20, 50)
         },
+        # the server's own view (message received -> frame handed to the socket): late there
+        # too, or only at the client?
+        "server_turnaround_over_ms": {
+            str(ms): delta("duplexserve_frame_turnaround_seconds_count")
+            - delta(f'duplexserve_frame_turnaround_seconds_bucket{{le="{ms / 1000}"}}')
+            for ms in (150, 200, 300)
+        },
+        "server_turnaround_max_ms": max(
+            (r["closed"].get("turnaround_ms", {}).get("max", 0.0) for r in ok if "closed" in r), default=None
+        ),
         "late_frames_by_10s": _late_by_time(ok, 10.0),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
