@@ -16,7 +16,7 @@ Stepping on a clock (``tick_s``, one frame by default for the moshi engine): see
 ``batcher.StepClock``. Between ticks the engine thread sleeps in short slices and
 drains the queue after each, so the queue never fills while it waits.
 
-Queue entries are ``(received, items)``: the loop's clock when the iteration's items
+Queue entries are ``(received, items)``: ``time.monotonic()`` when the iteration's items
 were put, so a frame's age counts from its arrival, not from when a busy engine thread
 got to it. Items are ``(slot, generation, payload)``: payload is a frame (an ndarray view of
 the received bytes), or an :class:`Open` / :class:`Close` control. The generation
