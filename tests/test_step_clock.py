@@ -174,8 +174,12 @@ def test_a_server_on_the_clock_answers_every_frame_exactly_and_in_order(server_f
 
     for sent, received, code in asyncio.run(main()):
         assert received == sent and code == 1000
-    steps = server.metrics()["duplexserve_engine_steps_total"]
+    metrics = server.metrics()
+    steps = metrics["duplexserve_engine_steps_total"]
     assert 20 <= steps < 70  # one a frame (about 30 here), not one a session's frame (140)
+    # where a frame's time goes after its step is measured per wake-up of the loop
+    wakeups = metrics["duplexserve_loop_pickup_seconds_count"]
+    assert 0 < wakeups <= steps and metrics["duplexserve_answer_dispatch_seconds_count"] == wakeups
 
 
 def test_the_clock_is_the_default_for_the_moshi_engine_on_a_gpu_only():

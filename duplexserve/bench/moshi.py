@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,11 @@ async def one_session(
         result["lateness"] = recv - deadline
 
 
+def _over(delta: Callable[[str], float], name: str, limits_ms: tuple[int, ...]) -> dict[str, float]:
+    """How many observations of histogram ``name`` went over each limit during the run."""
+    return {str(ms): delta(f"{name}_count") - delta(f'{name}_bucket{{le="{ms / 1000}"}}') for ms in limits_ms}
+
+
 def _late_by_time(results: list[dict], bucket_s: float) -> list[int]:
     """Late frames counted by when in its session each was (frame index x 80 ms)."""
     counts: list[int] = []
@@ -348,10 +354,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "client_cpu_cores": client_cpu / wall,
         "gpu_memory_used": gpu_mem,
         # where the tail comes from: steps that ran long, and when the late frames were
-        "steps_over_ms": {
-            str(ms): steps - delta(f'duplexserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}')
-            for ms in (80, 100, 200)
-        },
+        "steps_over_ms": _over(delta, "duplexserve_engine_step_seconds", (80, 100, 200)),
         "gc_pauses_over_ms": {  # the server process's collector, all generations
             str(ms): sum(
                 delta(f'duplexserve_gc_pause_seconds_count{{generation="{g}"}}')
@@ -362,14 +365,13 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         },
         # the server's own view (message received -> frame handed to the socket): late there
         # too, or only at the client?
-        "server_turnaround_over_ms": {
-            str(ms): delta("duplexserve_frame_turnaround_seconds_count")
-            - delta(f'duplexserve_frame_turnaround_seconds_bucket{{le="{ms / 1000}"}}')
-            for ms in (150, 200, 300)
-        },
+        "server_turnaround_over_ms": _over(delta, "duplexserve_frame_turnaround_seconds", (150, 200, 300)),
         "server_turnaround_max_ms": max(
             (r["closed"].get("turnaround_ms", {}).get("max", 0.0) for r in ok if "closed" in r), default=None
         ),
+        # where else a frame can wait: results for the loop to take them, the loop sending
+        "loop_pickup_over_ms": _over(delta, "duplexserve_loop_pickup_seconds", (10, 20, 40)),
+        "answer_dispatch_over_ms": _over(delta, "duplexserve_answer_dispatch_seconds", (10, 20, 40)),
         "late_frames_by_10s": _late_by_time(ok, 10.0),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),

@@ -73,6 +73,7 @@ class StepOutput:
     text: dict[int, str]
     error: str | None = None
     duration_s: float = 0.0
+    published: float = 0.0  # perf_counter when the engine thread handed it to the loop
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class EngineBridge:
         counts: BridgeCounts | None = None,
         coalesce_s: float = 0.0,
         tick_s: float = 0.0,
+        on_deliver: Callable[[float, float], None] | None = None,
     ) -> None:
         self.engine = engine
         #: After an idle wait, let this long pass before stepping, so one step (and one
@@ -110,6 +112,10 @@ class EngineBridge:
         self.counts = counts or BridgeCounts()
         self._on_outputs = on_outputs
         self.on_step = on_step
+        #: Told, per wake-up of the loop, how long the oldest result waited for the loop
+        #: and how long handing the answers to the sessions took (where a frame's time goes
+        #: between the step and the socket).
+        self.on_deliver = on_deliver
         self._queue_size = queue_size
         frame_s = engine.frame_samples / 24000 if tick_s else 0.0
         self._batcher = SlotBatcher(engine.num_slots, window, frame_s)
@@ -222,6 +228,7 @@ class EngineBridge:
         await self._loop.run_in_executor(None, self._queue.sync_q.put, entry)
 
     def _deliver(self) -> None:
+        started = time.perf_counter()
         self._wake_pending = False
         self.counts.loop_wakeups += 1
         results = self._results
@@ -230,12 +237,15 @@ class EngineBridge:
             batch.append(results.popleft())
         if batch:
             self._on_outputs(batch)
+            if self.on_deliver is not None:
+                self.on_deliver(started - batch[0].published, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- engine side
     def _publish(self, out: StepOutput) -> None:
         assert self._loop is not None
         if self.abandoned:
             return
+        out.published = time.perf_counter()
         self._results.append(out)
         if not self._wake_pending:
             self._wake_pending = True

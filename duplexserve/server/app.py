@@ -72,6 +72,7 @@ class DuplexApp:
         )
         self.metrics = Metrics(self.orchestrator)
         self.orchestrator.on_step = self.metrics.observe_step
+        self.orchestrator.on_deliver = self.metrics.observe_delivery
         self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
         self.codec_procs = CodecProcesses(
             config.codec_processes, config.opus_complexity, config.codec_batch_ms

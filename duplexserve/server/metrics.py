@@ -21,6 +21,7 @@ from duplexserve.server.turnaround import BUCKETS as TURNAROUND_BUCKETS
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.2)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512)
+LOOP_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 
 
 class ServerCollector(Collector):
@@ -119,7 +120,21 @@ class Metrics:
             "duplexserve_engine_batch_size", "sessions per engine step",
             buckets=BATCH_BUCKETS, registry=self.registry,
         )
+        self.loop_pickup = Histogram(
+            "duplexserve_loop_pickup_seconds",
+            "an engine step's results waiting for the event loop to take them",
+            buckets=LOOP_BUCKETS, registry=self.registry,
+        )
+        self.answer_dispatch = Histogram(
+            "duplexserve_answer_dispatch_seconds",
+            "the event loop handing one wake-up's answers to the sessions and their sockets",
+            buckets=LOOP_BUCKETS, registry=self.registry,
+        )
         self.gc_pauses = GcPauses(self.registry)
+
+    def observe_delivery(self, pickup_s: float, dispatch_s: float) -> None:
+        self.loop_pickup.observe(pickup_s)
+        self.answer_dispatch.observe(dispatch_s)
 
     def observe_step(self, out: StepOutput) -> None:
         self.step_seconds.observe(out.duration_s)

@@ -61,6 +61,7 @@ class Orchestrator:
         self.engine_stall_s = engine_stall_s
         self.engine_factory = engine_factory
         self.on_step: Callable[[StepOutput], None] | None = None
+        self.on_deliver: Callable[[float, float], None] | None = None
         self.counts = Counts()
         self._queue_size = queue_size
         self._coalesce_s = coalesce_ms / 1000.0
@@ -92,7 +93,12 @@ class Orchestrator:
             counts=counts,
             coalesce_s=self._coalesce_s,
             tick_s=self._tick_s,
+            on_deliver=self._observe_delivery,
         )
+
+    def _observe_delivery(self, pickup_s: float, dispatch_s: float) -> None:
+        if self.on_deliver is not None:
+            self.on_deliver(pickup_s, dispatch_s)
 
     def _observe_step(self, out: StepOutput) -> None:
         if self.on_step is not None:
