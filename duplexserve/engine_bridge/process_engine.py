@@ -13,6 +13,7 @@ While the child steps, the engine thread waits on the pipe with the GIL released
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import traceback
@@ -119,7 +120,6 @@ def _attach(name: str) -> SharedMemory:
 def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) -> None:
     """The engine process: build the engine, then serve commands until stop or EOF."""
     from duplexserve.engine_bridge.factory import build_engine
-    from duplexserve.server.gc_pauses import freeze
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
     shms = [_attach(name) for name in shm_names]
@@ -152,7 +152,8 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                 elif kind == "start":
                     engine = build_engine(config)
                     engine.start()
-                    freeze()  # torch and the model: out of every later collection's walk
+                    gc.collect()  # then torch and the model stay out of every later
+                    gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)
                     conn.send(("ok", None))
                 elif kind == "stop":
                     conn.send(("ok", None))
