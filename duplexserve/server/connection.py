@@ -400,14 +400,21 @@ class Connection(ABC):
                 await self.on_text(data)  # type: ignore[arg-type]
             else:
                 await self.on_binary(data)  # type: ignore[arg-type]
-        except SessionError as exc:
-            session.error(exc)
-        except Exception:  # a bug costs this session only, and says nothing internal
-            log.exception("session %s failed", session.id)
-            self.orch.close(session, "internal_error", errors.INTERNAL)
+        except Exception as exc:
+            self._receive_failed(session, exc)
         self.orch.pump(session)
         if session.has_outgoing:
             session.notify()
+
+    def _receive_failed(self, session: Session, exc: Exception) -> None:
+        """Handling a message raised: a SessionError says what to tell the client; anything
+        else (a bug, a codec worker gone) is logged and costs this session only, saying
+        nothing internal. Called from the except block, so the traceback is logged."""
+        if isinstance(exc, SessionError):
+            session.error(exc)
+        else:
+            log.exception("session %s failed", session.id)
+            self.orch.close(session, "internal_error", errors.INTERNAL)
 
     async def _send_item(self, item: Outgoing) -> None:
         """One outgoing item on the wire; after a ClosedOut, the close frame too."""
@@ -527,11 +534,8 @@ class Connection(ABC):
                 raise reply_error(status, body)
         except FormatError as exc:  # the Ogg stream cannot recover: this session ends
             session.error(SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA))
-        except SessionError as exc:
-            session.error(exc)
-        except Exception:  # a codec worker gone (or a bug) costs this session only
-            log.exception("session %s failed", session.id)
-            self.orch.close(session, "internal_error", errors.INTERNAL)
+        except Exception as exc:  # a codec worker gone, say
+            self._receive_failed(session, exc)
         self.orch.pump(session)
         if session.input_paused and not session.closed:  # the engine is behind: hold the client
             assert self._sock is not None
@@ -582,10 +586,8 @@ class Connection(ABC):
                     return
             try:
                 writing = run_eager(self._send_item(item))
-            except Exception as exc:  # the client is gone (or a bug): this session ends
-                if not isinstance(exc, (OSError, RuntimeError)):
-                    log.exception("writer of session %s failed", session.id)
-                self._stop("broken")
+            except Exception as exc:
+                self._send_failed(session, exc)
                 return
             if writing is not None:
                 self._writing = writing
@@ -594,6 +596,12 @@ class Connection(ABC):
             if self._close_sent:
                 self._stop("closed")
                 return
+
+    def _send_failed(self, session: Session, exc: Exception) -> None:
+        """A send raised: the client is gone (or a bug, logged): this session ends."""
+        if not isinstance(exc, (OSError, RuntimeError)):
+            log.exception("writer of session %s failed", session.id)
+        self._stop("broken")
 
     def _encode_remote(self, item: AudioOut, samples: np.ndarray) -> None:
         """Hand one answer to the session's codec worker; ``_encoded`` sends it and goes on."""
@@ -622,10 +630,8 @@ class Connection(ABC):
         try:
             try:
                 self.send_audio(item, body)
-            except Exception as exc:  # the client is gone (or a bug): this session ends
-                if not isinstance(exc, (OSError, RuntimeError)):
-                    log.exception("writer of session %s failed", session.id)
-                self._stop("broken")
+            except Exception as exc:
+                self._send_failed(session, exc)
                 return
             self._audio_sent()
             self._drain(session, sock)
