@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 
-from duplexserve.engine_bridge.batcher import CREEP_S, SlotBatcher, StepClock
+from duplexserve.engine_bridge.batcher import CREEP_S, SLACK_S, SlotBatcher, StepClock
 
 P = 0.08
 FRAME = np.zeros(4, np.float32)
@@ -63,6 +63,26 @@ def test_gather_takes_only_frames_due_by_the_cutoff():
     assert gens.tolist() == [0, 1]
     assert slots.tolist() == [0, 1] and batch[:, 0].tolist() == [0, 1]
     assert b.gather(0.5)[0].tolist() == [] and b.pending == 1
+
+
+def test_a_frame_that_came_after_its_tick_is_caught_up_and_its_lateness_reported():
+    b = SlotBatcher(2, window=4, frame_s=P)
+    clock = StepClock(P)
+    frame = np.zeros(4, np.float32)
+    for slot in range(2):
+        b.open(slot, slot)
+        b.push(slot, slot, frame, 1.0)  # frame 0 of both: due at 1.0
+    assert clock.decide(1.02, b.oldest_due()) == (0.0, 1.02 - SLACK_S) and not clock.catch_up
+    assert b.gather(1.02 - SLACK_S)[0].tolist() == [0, 1] and b.arrived_past_due == 0.0
+    b.push(0, 0, frame, 1.08)  # slot 0's frame 1: due at 1.08, on time
+    wait, cutoff = clock.decide(1.10, b.oldest_due())  # the next tick
+    assert wait == 0.0 and not clock.catch_up and b.gather(cutoff)[0].tolist() == [0]
+    b.push(1, 1, frame, 1.125)  # slot 1's frame 1: due at 1.08, came after that tick
+    wait, cutoff = clock.decide(1.13, b.oldest_due())
+    assert wait == 0.0 and clock.catch_up and cutoff == 1.10 - SLACK_S
+    assert b.gather(cutoff)[0].tolist() == [1] and abs(b.arrived_past_due - 0.045) < 1e-3
+    wait, _ = clock.decide(1.14, b.oldest_due())  # nothing overdue: wait for the tick at 1.18
+    assert abs(wait - 0.04) < 1e-9
 
 
 def simulate(
@@ -180,6 +200,9 @@ def test_a_server_on_the_clock_answers_every_frame_exactly_and_in_order(server_f
     # where a frame's time goes after its step is measured per wake-up of the loop
     wakeups = metrics["duplexserve_loop_pickup_seconds_count"]
     assert 0 < wakeups <= steps and metrics["duplexserve_answer_dispatch_seconds_count"] == wakeups
+    # every clock step is a tick (its lag measured) or a catch-up
+    ticks = metrics["duplexserve_engine_tick_lag_seconds_count"]
+    assert ticks + metrics["duplexserve_engine_catchup_steps_total"] == steps and ticks > 0
 
 
 def test_the_clock_is_the_default_for_the_moshi_engine_on_a_gpu_only():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -169,6 +170,7 @@ async def one_session(
 
     n = len(audio) // FRAME
     sent = np.zeros(n)
+    send_late = np.zeros((n + message_frames - 1) // message_frames)  # past its schedule
     received: list[float] = []
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, start_at - loop.time()))
@@ -178,9 +180,10 @@ async def one_session(
         async def sender() -> None:
             t0 = loop.time()
             for k, i in enumerate(range(0, n, message_frames)):
-                delay = t0 + k * message_frames * FRAME_S - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                scheduled = t0 + k * message_frames * FRAME_S
+                if scheduled > loop.time():
+                    await asyncio.sleep(scheduled - loop.time())
+                send_late[k] = loop.time() - scheduled
                 now = time.perf_counter()
                 await ws.send(audio[i * FRAME : (i + message_frames) * FRAME].tobytes())
                 sent[i : i + message_frames] = now
@@ -198,6 +201,7 @@ async def one_session(
                     result["closed"] = event
         await task
     recv = np.array(received)
+    result["send_late"] = send_late
     result["frames_in"] = n
     result["frames_out"] = len(recv)
     if len(recv):
@@ -206,6 +210,41 @@ async def one_session(
         result["rtf"] = (recv[-1] - sent[0]) / (len(recv) * FRAME_S)
         deadline = recv[0] + FRAME_S * (np.arange(len(recv)) + 1)  # playback buffer of one frame
         result["lateness"] = recv - deadline
+
+
+class Timeline(threading.Thread):
+    """Scrapes the server's /metrics every ``period_s``: what changed in each interval
+    (steps, catch-ups, the mean step, late ticks) shows *when* in the run a tail began."""
+
+    def __init__(self, port: int, period_s: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.port, self.period_s = port, period_s
+        self.samples: list[dict[str, float]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            with contextlib.suppress(OSError):
+                self.samples.append(scrape(self.port))
+
+    def intervals(self) -> list[dict[str, float]]:
+        rows = []
+        for a, b in zip(self.samples, self.samples[1:], strict=False):
+            d = functools.partial(_difference, a, b)
+            steps = d("duplexserve_engine_step_seconds_count")
+            step_s = d("duplexserve_engine_step_seconds_sum")
+            rows.append({
+                "steps": steps,
+                "catch_up_steps": d("duplexserve_engine_catchup_steps_total"),
+                "step_ms_mean": round(1000 * step_s / steps, 1) if steps else 0,
+                "tick_lag_over_20ms": _over(d, "duplexserve_engine_tick_lag_seconds", (20,))["20"],
+                "dispatch_over_10ms": _over(d, "duplexserve_answer_dispatch_seconds", (10,))["10"],
+            })  # fmt: skip
+        return rows
+
+
+def _difference(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def _over(delta: Callable[[str], float], name: str, limits_ms: tuple[int, ...]) -> dict[str, float]:
@@ -258,13 +297,20 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
 def cmd_rtf(args: argparse.Namespace) -> None:
     port = args.port
     server_cmd = [
-        sys.executable, "-m", "duplexserve", "serve", "--port", str(port), "--engine", "moshi",
-        "--moshi-preset", args.preset, "--max-sessions", str(args.sessions), "--log-level", "info",
+        sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
+        "--max-sessions", str(args.sessions), "--log-level", "info",
         "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
-        *(["--moshi-context", str(args.context)] if args.context else []),
-        "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
-        "--moshi-depformer", args.depformer, "--engine-tick-ms", str(args.tick_ms),
+        "--engine-tick-ms", str(args.tick_ms),
     ]  # fmt: skip
+    if args.synthetic_step_ms:  # the scheduling alone, no GPU: a full-batch step of fixed cost
+        server_cmd += ["--engine", "synthetic", "--step-base-ms", str(args.synthetic_step_ms)]
+    else:
+        server_cmd += [
+            "--engine", "moshi", "--moshi-preset", args.preset,
+            *(["--moshi-context", str(args.context)] if args.context else []),
+            "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
+            "--moshi-depformer", args.depformer,
+        ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
         proc = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -287,11 +333,15 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             runner = uvloop.run
         except ImportError:
             runner = asyncio.run
+        timeline = Timeline(port)
+        timeline.samples.append(before)
+        timeline.start()
         wall0 = time.perf_counter()
         results = runner(
             run_clients(f"ws://127.0.0.1:{port}/v1/duplex", args.sessions, args.seconds, args.message_ms, 2.0)
         )
         wall = time.perf_counter() - wall0
+        timeline.stopped.set()
         client_cpu = time.process_time() - c0
         cpu1, cpu1_children = cpu_seconds(proc.pid)
         after = scrape(port)
@@ -317,9 +367,10 @@ def cmd_rtf(args: argparse.Namespace) -> None:
     rtfs = sorted(r["rtf"] for r in ok)
     rtt = np.concatenate([r["rtt"] for r in ok]) if ok else np.zeros(1)
     late = np.concatenate([r["lateness"] for r in ok]) if ok else np.zeros(1)
+    send_late = np.concatenate([r["send_late"] for r in ok]) if ok else np.zeros(1)
     steps = delta("duplexserve_engine_step_seconds_count")
     summary = {
-        "preset": args.preset,
+        "preset": f"synthetic-{args.synthetic_step_ms:g}ms" if args.synthetic_step_ms else args.preset,
         "sessions": args.sessions,
         "engine": "process" if args.engine_process else "thread",
         "context": args.context or "preset",
@@ -372,6 +423,18 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         # where else a frame can wait: results for the loop to take them, the loop sending
         "loop_pickup_over_ms": _over(delta, "duplexserve_loop_pickup_seconds", (10, 20, 40)),
         "answer_dispatch_over_ms": _over(delta, "duplexserve_answer_dispatch_seconds", (10, 20, 40)),
+        # on the clock: steps for frames that missed their tick, and ticks that started late
+        "catch_up_steps": delta("duplexserve_engine_catchup_steps_total"),
+        "catch_up_arrival_over_ms": _over(
+            delta, "duplexserve_engine_catchup_arrival_seconds", (5, 10, 20, 40)
+        ),
+        "catch_up_frames": delta("duplexserve_engine_catchup_frames_total"),
+        "tick_lag_over_ms": _over(delta, "duplexserve_engine_tick_lag_seconds", (5, 10, 20, 40)),
+        "by_10s_of_run": timeline.intervals(),
+        # the client's own jitter: messages sent past their schedule
+        "client_send_late_ms_p99": 1000 * pct(send_late, 99),
+        "client_send_late_ms_max": 1000 * float(send_late.max()),
+        "client_sends_late_over_10ms": int((send_late > 0.010).sum()),
         "late_frames_by_10s": _late_by_time(ok, 10.0),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
@@ -400,8 +463,18 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--attention", default="live", choices=("live", "stock"))
     r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
     r.add_argument("--depformer", default="stock", choices=("stock", "lean"))
-    r.add_argument("--tick-ms", type=float, default=-1.0,
-                   help="the server's --engine-tick-ms (-1: its default, one frame; 0: step at once)")
+    r.add_argument(
+        "--tick-ms",
+        type=float,
+        default=-1.0,
+        help="the server's --engine-tick-ms (-1: its default, one frame; 0: step at once)",
+    )
+    r.add_argument(
+        "--synthetic-step-ms",
+        type=float,
+        default=0.0,
+        help="serve the synthetic engine stepping this long whatever the batch (no GPU)",
+    )
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")
     r.add_argument("--out", default="")

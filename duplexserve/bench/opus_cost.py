@@ -151,9 +151,9 @@ async def run_level(
     return result
 
 
-def start_server(tree: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(tree: str, flags: list[str], cpus: str = "") -> tuple[subprocess.Popen[bytes], str]:
     """A server from the checkout at ``tree`` on a free port; returns it and its base URL."""
-    proc, port = serve_tree(tree, ["--max-sessions", "1024", "--idle-timeout-s", "120", *flags])
+    proc, port = serve_tree(tree, ["--max-sessions", "1024", "--idle-timeout-s", "120", *flags], cpus=cpus)
     return proc, f"ws://127.0.0.1:{port}"
 
 
@@ -172,17 +172,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ramp-s", type=float, default=1.0, help="spread of the session starts")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--complexity", type=int, default=5, help="the servers' --opus-complexity")
+    p.add_argument(
+        "--server-cpus",
+        default="",
+        help="pin each server and its codec workers to these cores (taskset list, e.g. 0,1: a "
+        "2-core server on a larger host); the client then runs on the others",
+    )
     p.add_argument("--json", help="write every result here")
 
 
-def run(args: argparse.Namespace) -> int:
+def _cores(spec: str) -> set[int]:
+    """A taskset list (``0,1`` or ``0-3,8``) as a set of cores."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
+
+def run(args: argparse.Namespace) -> int:
+    if args.server_cpus:  # the client keeps off the servers' cores
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - _cores(args.server_cpus))
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": "."}
     servers = {}
     for name, spec in trees.items():
         tree, _, flags = spec.partition("|")
         flags = f"--opus-complexity {args.complexity} {args.server_flags} {flags}"
-        servers[name] = start_server(tree, flags.split())
+        servers[name] = start_server(tree, flags.split(), args.server_cpus)
     messages = cap.opus_stream(args.seconds)
     results = []
     try:

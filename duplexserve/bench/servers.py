@@ -35,12 +35,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_tree(tree: str, flags: list[str], pin: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+def serve_tree(
+    tree: str, flags: list[str], pin: bool = False, cpus: str = ""
+) -> tuple[subprocess.Popen[bytes], int]:
     """``duplexserve serve`` from the checkout at ``tree`` (its package, not this one) on a
-    free port, optionally pinned to the server's core; returns once ``/health`` answers.
+    free port, optionally pinned to the server's core (or to ``cpus``, a taskset list, with
+    every process it starts); returns once ``/health`` answers.
     For A/B runs of two source trees in one machine minute."""
     port = free_port()
-    taskset = ["taskset", "-c", str(SERVER_CPU)] if pin and can_pin() else []
+    cpus = cpus or (str(SERVER_CPU) if pin else "")
+    taskset = ["taskset", "-c", cpus] if cpus and can_pin() else []
     command = [*taskset, sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
                "--log-level", "warning", *flags]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))

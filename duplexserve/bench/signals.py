@@ -31,15 +31,25 @@ SPEECH_TEXT = (
 
 
 def espeak_speech(seconds: float) -> np.ndarray | None:
-    """Real speech from espeak-ng at 24 kHz, looped to ``seconds``; None without espeak-ng."""
+    """Real speech from espeak-ng at 24 kHz, looped to ``seconds``; None without espeak-ng.
+
+    A host without espeak-ng (the GPU machine) reads the same speech from the 16-bit mono
+    WAV named by ``DUPLEXSERVE_SPEECH_WAV`` (``espeak-ng -w speech.wav TEXT`` elsewhere)."""
+    wav = os.environ.get("DUPLEXSERVE_SPEECH_WAV")
+    if wav:
+        return _looped(wav, seconds)
     if shutil.which("espeak-ng") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "speech.wav")
         subprocess.run(["espeak-ng", "-w", path, SPEECH_TEXT], check=True, capture_output=True)
-        with wave.open(path) as w:
-            rate = w.getframerate()
-            raw = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+        return _looped(path, seconds)
+
+
+def _looped(path: str, seconds: float) -> np.ndarray:
+    with wave.open(path) as w:
+        rate = w.getframerate()
+        raw = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
     x = soxr.resample(raw, rate, MODEL_RATE).astype(np.float32)
     return np.resize(x, int(seconds * MODEL_RATE))
 

@@ -39,6 +39,9 @@ class SlotBatcher:
         self._count = np.zeros(num_slots, dtype=np.int64)
         self._generation = np.full(num_slots, -1, dtype=np.int64)
         self._due = np.zeros((num_slots, window), dtype=np.float64)
+        self._arrived = np.zeros((num_slots, window), dtype=np.float64)
+        #: Of the frames the last clock gather took, the latest arrival past its due time.
+        self.arrived_past_due = 0.0
         self._ref = [math.inf] * num_slots  # the schedule's phase (see above)
         self._pushed = [0] * num_slots  # frames pushed since the slot opened
         self._received = [math.nan] * num_slots  # when its last frame came
@@ -82,6 +85,7 @@ class SlotBatcher:
                 ref = phase if phase > ref + self.frame_s else min(ref + CREEP_S, phase)
                 self._ref[slot] = ref
             self._due[slot, index] = ref + k * self.frame_s
+            self._arrived[slot, index] = now
         self._count[slot] = count + 1
         self.pending += 1
         return True
@@ -97,10 +101,12 @@ class SlotBatcher:
         slots = np.flatnonzero(self._count)
         heads = self._head[slots]
         if cutoff != math.inf:
-            due = self._due[slots, heads] <= cutoff
-            slots, heads = slots[due], heads[due]
+            due = self._due[slots, heads]
+            taken = due <= cutoff
+            slots, heads = slots[taken], heads[taken]
             if not len(slots):
                 return slots, slots, np.empty((0, 0), np.float32)
+            self.arrived_past_due = float((self._arrived[slots, heads] - due[taken]).max())
         frames = np.concatenate(self._ring[slots, heads].tolist()).reshape(len(slots), -1)
         self._ring[slots, heads] = None
         self._head[slots] = (heads + 1) % self.window
@@ -128,6 +134,7 @@ class StepClock:
         self.period = period_s
         self.next = math.nan  # the next tick; set by the first decision
         self.last = -math.inf  # the last tick
+        self.catch_up = False  # whether the last decision to step was a catch-up
 
     def decide(self, now: float, oldest_due: float) -> tuple[float, float]:
         """``(wait, cutoff)``: wait this long, or (0) step now the frames due by ``cutoff``."""
@@ -136,7 +143,9 @@ class StepClock:
         if now >= self.next:  # a tick (the latest grid point, if steps ran long)
             self.last = self.next + self.period * ((now - self.next) // self.period)
             self.next = self.last + self.period
+            self.catch_up = False
             return 0.0, self.last - SLACK_S
         if oldest_due <= self.last - SLACK_S:  # a frame missed its tick: catch up
+            self.catch_up = True
             return 0.0, self.last - SLACK_S
         return self.next - now, 0.0

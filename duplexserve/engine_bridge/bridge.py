@@ -74,6 +74,11 @@ class StepOutput:
     error: str | None = None
     duration_s: float = 0.0
     published: float = 0.0  # perf_counter when the engine thread handed it to the loop
+    #: On a step clock: how long after its tick the step started, and whether it was a
+    #: catch-up step (frames that missed their tick; it costs a whole step on the GPU).
+    tick_lag_s: float | None = None
+    catch_up: bool = False
+    arrived_past_due_s: float = 0.0  # the latest of its frames' arrival past its due time
 
 
 @dataclass(slots=True)
@@ -86,6 +91,8 @@ class BridgeCounts:
     loop_wakeups: int = 0
     steps: int = 0
     frames_stepped: int = 0
+    catch_up_steps: int = 0  # clock steps for frames that missed their tick
+    catch_up_frames: int = 0
     engine_errors: int = 0
     engine_restarts: int = 0
 
@@ -282,13 +289,15 @@ class EngineBridge:
                         return
                 if not batcher.pending:
                     continue
-                cutoff = math.inf
                 if clock is not None:
-                    wait, cutoff = clock.decide(time.monotonic(), batcher.oldest_due())
+                    now = time.monotonic()
+                    wait, cutoff = clock.decide(now, batcher.oldest_due())
                     if wait > 0.0:
                         time.sleep(min(wait, _TICK_SLICE_S))  # then drain again
                         continue
-                self._step(cutoff)
+                    self._step(cutoff, now - clock.last, clock.catch_up)
+                else:
+                    self._step()
                 if self.abandoned:
                     return
         except janus.SyncQueueShutDown:
@@ -337,7 +346,7 @@ class EngineBridge:
         self.counts.engine_errors += 1
         self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
 
-    def _step(self, cutoff: float = math.inf) -> None:
+    def _step(self, cutoff: float = math.inf, lag_s: float | None = None, catch_up: bool = False) -> None:
         slots, generations, frames = self._batcher.gather(cutoff)
         if not len(slots):
             return  # a tick with nothing due yet
@@ -355,12 +364,16 @@ class EngineBridge:
         self.step_started = 0.0
         out = StepOutput(slots, generations, result.audio, result.text)
         out.duration_s = time.perf_counter() - started
+        out.tick_lag_s, out.catch_up = lag_s, catch_up
+        out.arrived_past_due_s = self._batcher.arrived_past_due
         self.counts.steps += 1
         self.counts.frames_stepped += len(slots)
+        if catch_up:
+            self.counts.catch_up_steps += 1
+            self.counts.catch_up_frames += len(slots)
         if self.on_step is not None:
             self.on_step(out)
         self._publish(out)
-
 
     def _restart(self, failed: list[int]) -> None:
         """Rebuild the engine's state on this thread after a failed step.

@@ -75,6 +75,8 @@ class ServerCollector(Collector):
             ("loop_wakeups", "wake-ups of the loop by the engine thread", bridge.loop_wakeups),
             ("engine_steps", "engine steps", bridge.steps),
             ("engine_frames", "frames the engine stepped", bridge.frames_stepped),
+            ("engine_catchup_steps", "clock steps for frames that missed their tick", bridge.catch_up_steps),
+            ("engine_catchup_frames", "frames that missed their tick", bridge.catch_up_frames),
             ("engine_errors", "engine failures", bridge.engine_errors),
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):
@@ -130,6 +132,16 @@ class Metrics:
             "the event loop handing one wake-up's answers to the sessions and their sockets",
             buckets=LOOP_BUCKETS, registry=self.registry,
         )
+        self.tick_lag = Histogram(
+            "duplexserve_engine_tick_lag_seconds",
+            "how late after its tick a clock step started (the step before ran long, or a catch-up)",
+            buckets=LOOP_BUCKETS, registry=self.registry,
+        )
+        self.catch_up_arrival = Histogram(
+            "duplexserve_engine_catchup_arrival_seconds",
+            "how long after its due time the latest frame of a catch-up step arrived",
+            buckets=LOOP_BUCKETS, registry=self.registry,
+        )
         self.gc_pauses = GcPauses(self.registry)
 
     def observe_delivery(self, pickup_s: float, dispatch_s: float) -> None:
@@ -139,3 +151,7 @@ class Metrics:
     def observe_step(self, out: StepOutput) -> None:
         self.step_seconds.observe(out.duration_s)
         self.batch_size.observe(len(out.slots))
+        if out.catch_up:
+            self.catch_up_arrival.observe(out.arrived_past_due_s)
+        elif out.tick_lag_s is not None:
+            self.tick_lag.observe(out.tick_lag_s)

@@ -26,6 +26,10 @@ from duplexserve.server.turnaround import FrameTimer, TurnaroundTotals
 
 log = logging.getLogger(__name__)
 
+#: How long the loop lets sessions send their answers before it polls its sockets again.
+DISPATCH_SLICE_S = 0.002
+DISPATCH_CHECK_ROWS = 16  # sessions between two looks at the clock
+
 
 @dataclass(slots=True)
 class Counts:
@@ -79,6 +83,9 @@ class Orchestrator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.resume = ResumeRegistry(resume_grace_s, self._expire)
         self.turnaround = TurnaroundTotals(late_frame_ms / 1000.0)
+        #: Sessions with answers to send, in the order they were touched (:meth:`_on_outputs`).
+        self._touched: dict[int, Session] = {}
+        self._notify_pending = False
 
     def _new_bridge(self, engine: Engine, counts: Any = None) -> EngineBridge:
         make_bridge = getattr(engine, "make_bridge", None)
@@ -248,9 +255,17 @@ class Orchestrator:
             self.counts.frames_dropped += closed.frames_dropped
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        """Engine results, on the loop: one call per wake-up, carrying whole steps."""
+        """Engine results, on the loop: one call per wake-up, carrying whole steps.
+
+        Every row goes to its session's output queue at once (cheap); the sends, which
+        cost the loop milliseconds for hundreds of sessions, go out in slices of about
+        :data:`DISPATCH_SLICE_S` (:meth:`_notify`), the loop polling its sockets between
+        slices: meanwhile it reads no socket, and a frame that arrives then reaches the
+        engine late (on a step clock, past its tick). A session touched by several steps
+        before its turn still sends once; its answers stay in order either way.
+        """
         by_slot = self._by_slot
-        touched: dict[int, Session] = {}
+        touched = self._touched
         for out in outputs:
             slots = out.slots.tolist()
             generations = out.generations.tolist()
@@ -263,7 +278,7 @@ class Orchestrator:
                             getattr(out, "message", "") or "the engine failed on this session's audio",
                             getattr(out, "close_code", errors.INTERNAL),
                         ))
-                        touched[slot] = session
+                        touched[id(session)] = session
                 continue
             audio, text = out.audio, out.text
             assert audio is not None
@@ -272,10 +287,27 @@ class Orchestrator:
                 if session is None or session.generation != generation:
                     continue  # answer to a session that is gone
                 session.deliver(audio[row], text.get(row) if text else None)
-                touched[slot] = session
-        for session in touched.values():
+                touched[id(session)] = session
+        if not self._notify_pending:
+            self._notify()
+
+    def _notify(self) -> None:
+        """Let touched sessions send (and take their next frames) for one slice of loop time."""
+        self._notify_pending = False
+        touched = list(self._touched.values())
+        self._touched = {}
+        deadline = time.perf_counter() + DISPATCH_SLICE_S
+        for i, session in enumerate(touched, 1):
             self.pump(session)
             session.notify()
+            if not i % DISPATCH_CHECK_ROWS and i < len(touched) and time.perf_counter() > deadline:
+                rest = {id(s): s for s in touched[i:]}  # ahead of sessions touched meanwhile
+                rest.update(self._touched)
+                self._touched = rest
+                self._notify_pending = True
+                assert self._loop is not None
+                self._loop.call_soon(self._notify)
+                return
         self._pump_waiting()
 
     def _pump_waiting(self) -> None:
