@@ -47,7 +47,8 @@ def serve_tree(
     taskset = ["taskset", "-c", cpus] if cpus and can_pin() else []
     command = [*taskset, sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
                "--log-level", "warning", *flags]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    path = os.environ.get("PYTHONPATH")  # the tree first; what else the host needs stays
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (os.path.abspath(tree), path))))
     proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
