@@ -59,8 +59,11 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(tmp_dir: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start ``duplexserve serve`` with ``args`` and wait until /health answers."""
+def start_server(
+    tmp_dir: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> ServerProcess:
+    """Start ``duplexserve serve`` with ``args`` and wait until /health answers (a server
+    whose engine imports a large library, vLLM, may take longer than the default)."""
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     with open(log_path, "wb") as log:  # the child keeps its own handle
@@ -72,7 +75,7 @@ def start_server(tmp_dir: str, *args: str, env: dict[str, str] | None = None) ->
             env={**os.environ, **(env or {})},
         )
     server = ServerProcess(port, proc, log_path)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")

@@ -155,6 +155,11 @@ class Connection(ABC):
         """Send ``item`` encoded as ``data`` (what ``render`` does after its encode)."""
         raise NotImplementedError
 
+    def render_now(self, item: Outgoing) -> bool:
+        """Fast path: send ``item`` here and now, without ``render``'s coroutines (four a
+        frame with their eager driver), when nothing in it can wait; False: ``render``."""
+        return False
+
     # ----------------------------------------------------------------- plumbing
     async def run(self) -> None:
         message = await self._receive()
@@ -585,6 +590,10 @@ class Connection(ABC):
                     self._encode_remote(item, samples)  # type: ignore[arg-type]
                     return
             try:
+                if self.render_now(item):
+                    if item.__class__ is AudioOut:
+                        self._audio_sent()
+                    continue
                 writing = run_eager(self._send_item(item))
             except Exception as exc:
                 self._send_failed(session, exc)

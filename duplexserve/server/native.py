@@ -312,6 +312,31 @@ class NativeConnection(Connection):
         assert self._sock is not None
         self._sock.send_bytes(data)
 
+    def render_now(self, item: Outgoing) -> bool:
+        """``render``'s two per-frame items when the encoder runs inline (PCM, G.711)."""
+        sock = self._sock
+        assert sock is not None
+        cls = item.__class__
+        if cls is AudioOut:
+            encoder = self.encoder
+            if encoder is None or not encoder.inline or self.output_format.format == OPUS:
+                return False
+            data = encoder.encode(item.audio)  # type: ignore[attr-defined]
+            if self._sent_audio is not None:
+                self._sent_audio.add(item.index, data)  # type: ignore[attr-defined]
+            sock.send_bytes(data)
+            return True
+        if cls is TextOut:
+            sock.send_text(self._text_delta(item))  # type: ignore[arg-type]
+            return True
+        return False
+
+    def _text_delta(self, item: TextOut) -> str:
+        """The ``text.delta`` event of ``item``, kept for a replay first."""
+        if self._sent_text is not None:
+            self._sent_text.append((item.index, item.text))
+        return json.dumps({"type": "text.delta", "frame": item.index, "text": item.text})
+
     async def render(self, item: Outgoing) -> None:
         cls = item.__class__
         if cls is AudioOut:
@@ -327,9 +352,7 @@ class NativeConnection(Connection):
                 sent.add(item.index, data)
                 await self.send_bytes(data)
         elif cls is TextOut:
-            if self._sent_text is not None:
-                self._sent_text.append((item.index, item.text))
-            await self.send_json({"type": "text.delta", "frame": item.index, "text": item.text})
+            await self.send_text(self._text_delta(item))  # type: ignore[arg-type]
         elif cls is Notice:
             await self.send_json(item.payload)
         elif cls is ErrorOut:

@@ -25,10 +25,13 @@ from tests.conftest import ServerProcess, start_server  # noqa: E402
 from tests.native_client import converse  # noqa: E402
 
 FRAME = 1920
+#: The app starts vLLM-Omni's engine before /health answers: vLLM's import alone took 16-50 s
+#: on the 2-core CI machine.
+STARTUP_S = 180.0
 
 
 def wait_ready(server: ServerProcess, timeout: float = 180.0) -> None:
-    """/health answers at once; /ready once vLLM-Omni's engine is up (its import alone is ~15 s)."""
+    """/ready once vLLM-Omni's engine is up and the bridge running."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if httpx.get(server.http + "/ready", timeout=2).status_code == 200:
@@ -51,6 +54,7 @@ def vo_server(tmp_path_factory):
         rt.KEY,
         "--allowed-origins",
         "",
+        timeout=STARTUP_S,
     )
     try:
         wait_ready(server)
@@ -140,6 +144,7 @@ def test_a_session_refused_by_vllm_omni_is_told_so(tmp_path):
         json.dumps({"max_sessions": 1}),
         "--vllm-omni-session",
         json.dumps({"instructions": "be brief"}),
+        timeout=STARTUP_S,
     )
     try:
         wait_ready(server)

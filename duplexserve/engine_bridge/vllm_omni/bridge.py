@@ -81,6 +81,8 @@ class VllmOmniOutput:
     message: str = ""
     close_code: int | None = errors.INTERNAL
     duration_s: float = 0.0
+    tick_lag_s: float | None = None  # vLLM-Omni steps on its own schedule: no step clock here
+    catch_up: bool = False
 
 
 class _Slot:
