@@ -155,6 +155,11 @@ class Connection(ABC):
         """Send ``item`` encoded as ``data`` (what ``render`` does after its encode)."""
         raise NotImplementedError
 
+    def binary_now(self, data: bytes) -> bool:
+        """Fast path: take binary message ``data`` here and now, without ``on_binary``'s
+        coroutine, when nothing in it can wait; False: ``on_binary`` (nothing done yet)."""
+        return False
+
     def render_now(self, item: Outgoing) -> bool:
         """Fast path: send ``item`` here and now, without ``render``'s coroutines (four a
         frame with their eager driver), when nothing in it can wait; False: ``render``."""
@@ -407,6 +412,10 @@ class Connection(ABC):
                 await self.on_binary(data)  # type: ignore[arg-type]
         except Exception as exc:
             self._receive_failed(session, exc)
+        self._received(session)
+
+    def _received(self, session: Session) -> None:
+        """After a message: the session's ready frames to the engine, its answers out."""
         self.orch.pump(session)
         if session.has_outgoing:
             session.notify()
@@ -502,6 +511,18 @@ class Connection(ABC):
             payload = self.audio_payload(data)  # type: ignore[arg-type]
             if payload is not None:
                 self._decode_remote(session, decoder, payload)
+                return
+        if data.__class__ is bytes and len(data) <= self.config.max_message_bytes:
+            try:
+                taken = self.binary_now(data)  # type: ignore[arg-type]
+            except Exception as exc:
+                self._receive_failed(session, exc)
+                taken = True
+            if taken:
+                session.last_activity = self._loop.time()
+                self._received(session)
+                if session.input_paused and not session.closed:
+                    self._sock.pause_reading()
                 return
         lane = run_eager(self._receive_one(data))
         if lane is not None:

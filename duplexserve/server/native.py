@@ -215,20 +215,31 @@ class NativeConnection(Connection):
         }
 
     # ------------------------------------------------------------------ incoming
-    async def on_binary(self, data: bytes) -> None:
+    def binary_now(self, data: bytes) -> bool:
+        """Audio for an inline decoder (PCM, G.711), on the spot: the hot path."""
         decoder = self.decoder
         assert decoder is not None and self.session is not None
+        if self._skip_bytes or not (decoder.inline and self.inline_ok):
+            return False
+        self._wire_bytes += len(data)
+        try:
+            samples = decoder.decode(data)
+        except FormatError as exc:
+            raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
+        self.session.receive_audio(samples)
+        return True
+
+    async def on_binary(self, data: bytes) -> None:
         if self._skip_bytes:  # sent again after a resume, already decoded
             skip = min(self._skip_bytes, len(data))
             self._skip_bytes -= skip
             data = data[skip:]
             if not data:
                 return
+        if self.binary_now(data):
+            return
         self._wire_bytes += len(data)
         try:
-            if decoder.inline and self.inline_ok:  # no await on the hot path
-                self.session.receive_audio(decoder.decode(data))
-                return
             samples = await self.decode(data)
         except FormatError as exc:
             raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
