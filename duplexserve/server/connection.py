@@ -501,36 +501,33 @@ class Connection(ABC):
             return
         session = self.session
         assert session is not None and self._sock is not None
-        decoder = self.decoder
-        if (
-            decoder is not None
-            and decoder.remote
-            and data.__class__ is bytes
-            and len(data) <= self.config.max_message_bytes
-        ):
-            payload = self.audio_payload(data)  # type: ignore[arg-type]
-            if payload is not None:
-                self._decode_remote(session, decoder, payload)
-                return
+        taken = False
         if data.__class__ is bytes and len(data) <= self.config.max_message_bytes:
-            try:
-                taken = self.binary_now(data)  # type: ignore[arg-type]
-            except Exception as exc:
-                self._receive_failed(session, exc)
-                taken = True
-            if taken:
-                session.last_activity = self._loop.time()
-                self._received(session)
-                if session.input_paused and not session.closed:
-                    self._sock.pause_reading()
-                return
-        lane = run_eager(self._receive_one(data))
+            decoder = self.decoder
+            if decoder is not None and decoder.remote:
+                payload = self.audio_payload(data)  # type: ignore[arg-type]
+                if payload is not None:
+                    self._decode_remote(session, decoder, payload)
+                    return
+            taken = self._receive_now(session, data)  # type: ignore[arg-type]
+        lane = None if taken else run_eager(self._receive_one(data))
         if lane is not None:
             self._lane = lane
             self._sock.pause_reading()
             lane.add_done_callback(self._lane_done)
         elif session.input_paused and not session.closed:
             self._sock.pause_reading()
+
+    def _receive_now(self, session: Session, data: bytes) -> bool:
+        """``_receive_one`` without its coroutines, when ``binary_now`` takes the message."""
+        try:
+            if not self.binary_now(data):
+                return False
+        except Exception as exc:
+            self._receive_failed(session, exc)
+        session.last_activity = self._loop.time()
+        self._received(session)
+        return True
 
     def _decode_remote(self, session: Session, decoder: Decoder, payload: bytes | memoryview) -> None:
         """Hand one audio message to the session's codec worker; ``_decoded`` goes on.

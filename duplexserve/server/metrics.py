@@ -122,27 +122,27 @@ class Metrics:
             "duplexserve_engine_batch_size", "sessions per engine step",
             buckets=BATCH_BUCKETS, registry=self.registry,
         )
-        self.loop_pickup = Histogram(
+        self.loop_pickup = self._loop_histogram(
             "duplexserve_loop_pickup_seconds",
             "an engine step's results waiting for the event loop to take them",
-            buckets=LOOP_BUCKETS, registry=self.registry,
         )
-        self.answer_dispatch = Histogram(
+        self.answer_dispatch = self._loop_histogram(
             "duplexserve_answer_dispatch_seconds",
             "the event loop handing one wake-up's answers to the sessions and their sockets",
-            buckets=LOOP_BUCKETS, registry=self.registry,
         )
-        self.tick_lag = Histogram(
+        self.tick_lag = self._loop_histogram(
             "duplexserve_engine_tick_lag_seconds",
             "how late after its tick a clock step started (the step before ran long, or a catch-up)",
-            buckets=LOOP_BUCKETS, registry=self.registry,
         )
-        self.catch_up_arrival = Histogram(
+        self.catch_up_arrival = self._loop_histogram(
             "duplexserve_engine_catchup_arrival_seconds",
             "how long after its due time the latest frame of a catch-up step arrived",
-            buckets=LOOP_BUCKETS, registry=self.registry,
         )
         self.gc_pauses = GcPauses(self.registry)
+
+    def _loop_histogram(self, name: str, documentation: str) -> Histogram:
+        """A wait of the loop or the engine thread: 0.1 ms to 160 ms (``LOOP_BUCKETS``)."""
+        return Histogram(name, documentation, buckets=LOOP_BUCKETS, registry=self.registry)
 
     def observe_delivery(self, pickup_s: float, dispatch_s: float) -> None:
         self.loop_pickup.observe(pickup_s)
