@@ -72,12 +72,19 @@ class ServerConfig:
         " head: half the memory a session, not exact (docs/moshi-engine.md)",
         ("bf16", "int8"),
     )
+    moshi_mimi_attention: str = _opt(
+        "live",
+        "moshi engine: Mimi's transformers attend over their ring with one small kernel a layer (live:"
+        " CUDA with Triton; float32 like stock, not bit for bit) or with the library's position table,"
+        " mask and SDPA (stock; what the CPU always runs)",
+        ("live", "stock"),
+    )
     moshi_depformer: str = _opt(
         "stock",
         "moshi engine: the depformer's attention as the library runs it (stock: a position table and a"
         " masked SDPA per layer and codebook) or over the live slots of its ring without a mask (lean:"
-        " the same keys and values, equal to stock in float64 on the CPU; slower on the H200 as"
-        " measured with the flash kernel, docs/benchmarks.md)",
+        " the same keys and values, equal to stock in float64 on the CPU; on CUDA one small kernel"
+        " a layer, docs/benchmarks.md)",
         ("stock", "lean"),
     )
     vllm_omni_model: str = _opt("", "vllm-omni engine: model (HF id or local path) DuplexOmniEngine serves")

@@ -309,7 +309,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             "--engine", "moshi", "--moshi-preset", args.preset,
             *(["--moshi-context", str(args.context)] if args.context else []),
             "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
-            "--moshi-depformer", args.depformer,
+            "--moshi-depformer", args.depformer, "--moshi-mimi-attention", args.mimi_attention,
         ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -377,6 +377,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "attention": args.attention,
         "kv_dtype": args.kv_dtype,
         "depformer": args.depformer,
+        "mimi_attention": args.mimi_attention,
         "tick_ms": args.tick_ms,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
@@ -463,6 +464,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--attention", default="live", choices=("live", "stock"))
     r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
     r.add_argument("--depformer", default="stock", choices=("stock", "lean"))
+    r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
     r.add_argument(
         "--tick-ms",
         type=float,

@@ -145,11 +145,16 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = [int(b) for b in args.batches.split(",")]
     ages = [int(a) for a in args.ages.split(",")]
     rows = []
-    builds = [(a, d) for a in args.attention.split(",") for d in args.depformer.split(",")]
-    for attention, depformer in builds:
+    builds = [
+        (a, d, m)
+        for a in args.attention.split(",")
+        for d in args.depformer.split(",")
+        for m in args.mimi_attention.split(",")
+    ]
+    for attention, depformer, mimi_attention in builds:
         engine = MoshiEngine(
             batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
-            depformer=depformer,
+            depformer=depformer, mimi_attention=mimi_attention,
         )  # fmt: skip
         engine.start()
         for b in batches:
@@ -160,6 +165,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "attention": attention,
                     "kv_dtype": args.kv_dtype,
                     "depformer_attention": depformer,
+                    "mimi_attention": mimi_attention,
                     **breakdown(engine, b, age, args.steps),
                 }
                 rows.append(row)
@@ -169,11 +175,12 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"{'attn':>5} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} {'dec':>5} "
+    print(f"{'lm/dep/mimi':>8} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} {'dec':>5} "
           f"{'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['attention'][:2] + '/' + r['depformer_attention'][:2]:>5} {r['batch']:>4} {r['age']:>5} "
+            f"{'/'.join(r[k][:2] for k in ('attention', 'depformer_attention', 'mimi_attention')):>8} "
+            f"{r['batch']:>4} {r['age']:>5} "
             f"{r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
             f"{r['other']:5.1f} {r['gpu_busy']:5.1f} {r['host_enqueue']:5.1f} {r['kv_floor_live']:7.1f}"
@@ -347,7 +354,7 @@ def _load_weights(engine: Any, saved: tuple[dict, dict]) -> int:
 
 
 def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Batched variants (attention/kv dtype[/depformer]) against Kyutai's batch-1 loop and
+    """Batched variants (attention/kv dtype[/depformer[/mimi attention]]) against Kyutai's batch-1 loop and
     the first variant, all on the first variant's weights."""
     import torch
 
@@ -366,7 +373,7 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
         attention, kv_dtype, *rest = variant.split("/")
         engine = MoshiEngine(
             8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype,
-            depformer=rest[0] if rest else "stock",
+            depformer=rest[0] if rest else "stock", mimi_attention=rest[1] if rest[1:] else "stock",
         )  # fmt: skip
         engine.start()
         if saved is None:
@@ -419,6 +426,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="agreement: attention/kv dtype[/depformer],... (the first is the yardstick's base)",
         )  # fmt: skip
         p.add_argument("--depformer", default="stock", help="breakdown: stock,lean (each its own engine)")
+        p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")

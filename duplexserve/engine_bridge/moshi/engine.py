@@ -69,6 +69,7 @@ class MoshiEngine(Engine):
         attention: str = "live",
         kv_dtype: str = "bf16",
         depformer: str = "stock",
+        mimi_attention: str = "live",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
@@ -86,6 +87,9 @@ class MoshiEngine(Engine):
         if depformer not in ("stock", "lean"):
             raise ValueError(f"--moshi-depformer {depformer!r}: stock or lean")
         self.depformer = depformer
+        if mimi_attention not in ("stock", "live"):
+            raise ValueError(f"--moshi-mimi-attention {mimi_attention!r}: stock or live")
+        self.mimi_attention = mimi_attention
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
         lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
@@ -104,7 +108,9 @@ class MoshiEngine(Engine):
         from moshi.utils.compile import no_compile
 
         from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
+        from duplexserve.engine_bridge.moshi.live_attention import triton_available
         from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
+        from duplexserve.engine_bridge.moshi.live_mimi import install_ring_attention
 
         self._torch = torch
         if self.device_name == "auto":
@@ -154,6 +160,8 @@ class MoshiEngine(Engine):
                     f"this LM cannot use live-prefix attention, which --moshi-kv-dtype {self.kv_dtype} needs"
                 )
             log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
+        if self.mimi_attention == "live" and triton_available(device) and not install_ring_attention(mimi):
+            log.warning("moshi engine: this Mimi's transformers cannot take the ring attention; stock")
         if self.depformer == "lean" and not install_lean_depformer(lm):
             log.warning("moshi engine: this LM's depformer cannot take the unmasked attention; stock")
         self.delay_frames = max(lm.delays)
@@ -385,4 +393,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         attention=config.moshi_attention,
         kv_dtype=config.moshi_kv_dtype,
         depformer=config.moshi_depformer,
+        mimi_attention=config.moshi_mimi_attention,
     )

@@ -10,10 +10,11 @@ slots, in slot order (hibiki-2b: 16 steps over a ring of 8, which wraps). Stock 
 builds that mask from a position table in every layer of every codebook step (about ten
 small kernels) and hands it to SDPA, which with a mask takes cuDNN's masked kernel:
 5.8 ms of the step at 384 hibiki-2b slots on the H200 for 96 calls over at most 8 keys.
-Here the slot is written with one copy and SDPA reads the slice, unmasked (on CUDA
-with the flash kernel). The same keys, values and order: the CPU tests show the
-depformer's tokens and logits equal to stock moshi's in float64, bit for bit. Not
-faster on the H200 yet (see ``_CUDA_BACKENDS``): opt-in, off by default.
+Here the slot is written with one copy and the live slots are read unmasked: on the
+CPU by SDPA over the slice (the tests show the depformer's tokens and logits equal to
+stock moshi's in float64, bit for bit), on CUDA by ``ring_attention`` (one small program
+per row and head; SDPA's flash kernel over the slice took 142 us a call at 384 slots,
+more than cuDNN's masked one, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,20 +24,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from moshi.modules.transformer import StreamingMultiheadAttention, apply_weights_per_step
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# On CUDA, no cuDNN (its masked kernel took 60 us a call). Measured on the H200 at 384
-# hibiki-2b slots, the flash kernel that runs instead is slower still: 142 us a call
-# (13.6 ms of the step against cuDNN's 5.8), so the depformer went from 17.1 to 21.1 ms
-# although the position tables and masks it no longer builds cost about 3.8 ms. Hence
-# ``--moshi-depformer stock`` stays the default; what this path needs is a kernel that
-# attends one query to at most 8 keys in a few microseconds (docs/benchmarks.md).
-_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+from .live_attention import triton_available
+from .ring_attention import ring_attention
 
 
 class LeanStepAttention(StreamingMultiheadAttention):
     """Causal self-attention of a transformer that is restarted for every sequence of
     one-token steps taken by all rows together (the depformer)."""
+
+    _use_kernel: bool
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         state = self._streaming_state
@@ -53,11 +50,10 @@ class LeanStepAttention(StreamingMultiheadAttention):
         slot = step % cache.capacity
         ring[0, :, :, slot] = k[:, :, 0]
         ring[1, :, :, slot] = v[:, :, 0]
-        live = min(step + 1, cache.capacity)
-        if q.is_cuda:
-            with sdpa_kernel(_CUDA_BACKENDS):
-                x = F.scaled_dot_product_attention(q, ring[0, :, :, :live], ring[1, :, :, :live])
+        if self._use_kernel:
+            x = ring_attention(q, ring[0], ring[1], cache.end_offset)  # end_offset: the step, [1]
         else:
+            live = min(step + 1, cache.capacity)
             x = F.scaled_dot_product_attention(q, ring[0, :, :, :live], ring[1, :, :, :live])
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
         x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
@@ -68,13 +64,14 @@ class LeanStepAttention(StreamingMultiheadAttention):
         return x
 
 
-def install_lean_depformer(lm: Any) -> bool:
+def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
     """Give ``lm``'s depformer ``LeanStepAttention``; False where it cannot apply.
 
     It applies to a depformer as moshi builds it: causal self-attention with weights per
     step (its ring has one end offset for the whole batch, every row at the same step),
     one KV head per head, a ring as long as the context (or as the steps, without one).
-    Call before the LM starts streaming.
+    ``use_kernel`` defaults to ``ring_attention`` where Triton runs (CUDA), else SDPA over
+    the live slots. Call before the LM starts streaming.
     """
     depformer = getattr(lm, "depformer", None)
     if depformer is None or depformer.is_streaming:
@@ -88,6 +85,9 @@ def install_lean_depformer(lm: Any) -> bool:
     )  # fmt: skip
     if not fits:
         return False
+    if use_kernel is None:
+        use_kernel = triton_available(next(lm.parameters()).device)
     for attention in attentions:
         attention.__class__ = LeanStepAttention
+        attention._use_kernel = use_kernel
     return True
