@@ -11,8 +11,8 @@ Stock moshi instead rebuilds an int64 ``[B, capacity]`` position table and mask 
 every layer and attends over the whole ring.
 
 Everything else (projections, RoPE, the ring's memory, reset, exec mask, CUDA graphs)
-is the library's. The depformer (weights per step, a ring of 16 slots) and Mimi keep
-their stock attention.
+is the library's. Mimi's transformers and the depformer have short rings of their own
+(``live_mimi.py``, ``lean_depformer.py``).
 """
 
 from __future__ import annotations
