@@ -7,7 +7,7 @@
                beside each row.
     attention  one layer's attention alone: stock (moshi's per-layer positions and mask,
                SDPA over the whole ring) against the live-prefix kernel, by live length.
-    agreement  each session of batched variants (attention, KV dtype, depformer) against
+    agreement  each session of batched variants (attention, KV dtype, depformer, Mimi) against
                Kyutai's batch-1 loop and against the first variant, on the same weights,
                greedy: share of identical tokens (text, audio), the frame where the
                streams first part, the output audio's SNR (raw, and of the part that
@@ -423,7 +423,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--kv-dtype", default="bf16", help="breakdown: bf16 or int8")
         p.add_argument(
             "--variants", default="live/bf16,live/int8,stock/bf16",
-            help="agreement: attention/kv dtype[/depformer],... (the first is the yardstick's base)",
+            help="agreement: attention/kv dtype[/depformer[/mimi attention]],... (the first is the base)",
         )  # fmt: skip
         p.add_argument("--depformer", default="stock", help="breakdown: stock,lean (each its own engine)")
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")

@@ -7,7 +7,7 @@ streaming forward writes the step's keys and values into the library's own
 ring's end and the layer's offset exactly as moshi does (by ``T`` where the exec mask is
 set). Projections, RoPE, the ring, reset and the CUDA graphs stay the library's; only
 the position table, the mask and the float32 SDPA kernel go. Outside streaming (the
-codec's batch encode, a prefix of several frames) the stock forward runs.
+codec's batch encode) or for more than a few positions at once, the stock forward runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from moshi.modules.transformer import StreamingMultiheadAttention
 
-from .ring_attention import ring_attention
+from .ring_attention import MAX_QUERIES, ring_attention
 
 
 class RingAttention(StreamingMultiheadAttention):
@@ -25,9 +25,9 @@ class RingAttention(StreamingMultiheadAttention):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         state = self._streaming_state
-        if state is None:
-            return super().forward(query, key, value)
         b, t = query.shape[:2]
+        if state is None or t > MAX_QUERIES:  # same state either way: stock advances it alike
+            return super().forward(query, key, value)
         cache = state.kv_cache
         projected = self.in_projs[0](query)
         q, k, v = projected.view(b, t, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
