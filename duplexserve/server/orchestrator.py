@@ -301,9 +301,7 @@ class Orchestrator:
             self.pump(session)
             session.notify()
             if not i % DISPATCH_CHECK_ROWS and i < len(touched) and time.perf_counter() > deadline:
-                rest = {id(s): s for s in touched[i:]}  # ahead of sessions touched meanwhile
-                rest.update(self._touched)
-                self._touched = rest
+                self._touched = {id(s): s for s in touched[i:]}
                 self._notify_pending = True
                 assert self._loop is not None
                 self._loop.call_soon(self._notify)
