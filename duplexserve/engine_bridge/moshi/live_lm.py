@@ -64,6 +64,15 @@ def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> 
         clock.mask = prefix_mask(ends, clock.capacity)
 
 
+def plain_self_attention(a: StreamingMultiheadAttention) -> bool:
+    """Causal self-attention with one set of weights and one KV head per head: the
+    attention whose ring the live and ring kernels read (the LM's, Mimi's)."""
+    return (
+        type(a) is StreamingMultiheadAttention and a.causal and not a.cross_attention
+        and not a.weights_per_step and a.kv_repeat == 1 and len(a.in_projs) == 1
+    )  # fmt: skip
+
+
 class QuantRing:
     """The 8-bit ring that replaces moshi's ``RingKVCache`` with ``--moshi-kv-dtype int8``:
     int8 K/V ``[2, B, H, C, D]`` and one scale per slot and head ``[2, B, H, C]``. It
@@ -146,11 +155,7 @@ def install_live_attention(lm: Any, use_kernel: bool | None = None, kv_dtype: st
     transformer = lm.transformer
     attentions = [layer.self_attn for layer in transformer.layers]
     contexts = {a.context for a in attentions}
-    fits = all(
-        a.causal and not a.cross_attention and not a.weights_per_step and a.kv_repeat == 1
-        and len(a.in_projs) == 1 and type(a) is StreamingMultiheadAttention
-        for a in attentions
-    ) and len(contexts) == 1 and None not in contexts  # fmt: skip
+    fits = all(map(plain_self_attention, attentions)) and len(contexts) == 1 and None not in contexts
     if not fits or transformer.is_streaming:
         return False
     if use_kernel is None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from moshi.modules.transformer import StreamingMultiheadAttention
 
+from .live_lm import plain_self_attention
 from .ring_attention import MAX_QUERIES, ring_attention
 
 
@@ -64,11 +65,8 @@ def install_ring_attention(mimi: Any) -> bool:
         if isinstance(module, StreamingMultiheadAttention)
     ]
     fits = bool(attentions) and all(
-        type(a) is StreamingMultiheadAttention and a.causal and not a.cross_attention
-        and not a.weights_per_step and a.kv_repeat == 1 and len(a.in_projs) == 1
-        and a.context is not None and not a.is_streaming
-        for a in attentions
-    )  # fmt: skip
+        plain_self_attention(a) and a.context is not None and not a.is_streaming for a in attentions
+    )
     if not fits:
         return False
     for attention in attentions:
