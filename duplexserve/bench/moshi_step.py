@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -140,18 +141,23 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
 def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
+    from duplexserve.engine_bridge.moshi import live_attention
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine
+    from duplexserve.engine_bridge.moshi.live_attention import DEFAULT_INT8, KernelConfig
 
     batches = [int(b) for b in args.batches.split(",")]
     ages = [int(a) for a in args.ages.split(",")]
     rows = []
+    kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [DEFAULT_INT8]
     builds = [
-        (a, d, m)
+        (a, d, m, k)
         for a in args.attention.split(",")
         for d in args.depformer.split(",")
         for m in args.mimi_attention.split(",")
+        for k in kernels
     ]
-    for attention, depformer, mimi_attention in builds:
+    for attention, depformer, mimi_attention, kernel in builds:
+        live_attention.DEFAULT_INT8 = kernel  # read when the CUDA graphs are captured
         engine = MoshiEngine(
             batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
             depformer=depformer, mimi_attention=mimi_attention,
@@ -166,6 +172,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "kv_dtype": args.kv_dtype,
                     "depformer_attention": depformer,
                     "mimi_attention": mimi_attention,
+                    "int8_kernel": str(kernel),
                     **breakdown(engine, b, age, args.steps),
                 }
                 rows.append(row)
@@ -189,24 +196,32 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One layer of the hibiki-2b shape (16 heads of 128, ring 3000), bf16."""
+    """One layer of the hibiki-2b shape (16 heads of 128, ring 3000), bf16 or int8."""
     import torch
     import torch.nn.functional as F
 
-    from duplexserve.engine_bridge.moshi.live_attention import KernelConfig, live_attention
+    from duplexserve.engine_bridge.moshi.live_attention import (
+        KernelConfig,
+        dequantize,
+        live_attention,
+        prefix_mask,
+        quantize,
+        reference_attention,
+    )
 
-    configs = [KernelConfig(*(int(x) for x in c.split("/"))) for c in args.kernels.split(",")]
-
+    configs = [KernelConfig.parse(c) for c in (args.kernels or "256/32/2/3").split(",")]
+    int8 = args.kv_dtype == "int8"
     heads, dim, cap = 16, 128, args.context or 3000
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         ring = torch.randn(2, b, heads, cap, dim, device="cuda", dtype=torch.bfloat16)
         q = torch.randn(b, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
         end = torch.full((b,), cap, device="cuda", dtype=torch.long)
+        ring8, scales = quantize(ring) if int8 else (ring, None)
 
         def stock(
             q: Any = q, ring: Any = ring, end: Any = end
-        ) -> Any:  # moshi's per-layer positions, mask and SDPA over the whole ring
+        ) -> Any:  # moshi's per-layer positions, mask and SDPA over the whole ring (bf16)
             idx = torch.arange(cap, device="cuda")
             last = end.view(-1, 1)
             delta = idx - last % cap
@@ -218,14 +233,26 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         for share in (1.0, 0.5, 0.25, 0.125):
             lengths = torch.full((b,), max(1, int(cap * share)), device="cuda", dtype=torch.int32)
-            row = {"batch": b, "live_share": share}
+            row = {"batch": b, "live_share": share, "kv_dtype": args.kv_dtype}
             variants: list[tuple[str, Any]] = [("stock", stock)]
+            pair = None if scales is None else (scales[0], scales[1])
             for c in configs:
-                name = f"live_{c.chunk}/{c.block_n}/{c.warps}/{c.stages}"
                 variants.append(
-                    (name, lambda c=c, q=q, r=ring, n=lengths: live_attention(q, r[0], r[1], n, c))
+                    (f"live_{c}", partial(live_attention, q, ring8[0], ring8[1], lengths, pair, c))
                 )
+            truth = None
+            if int8:  # what every int8 kernel should give: SDPA over the dequantized live prefix
+                keys, values = dequantize(ring8, scales, torch.bfloat16)
+                truth = reference_attention(q, keys, values, prefix_mask(lengths, cap)).float()
+                del keys, values
             for name, fn in variants:
+                try:
+                    out = fn()
+                except Exception as exc:  # a configuration that does not compile costs its row only
+                    row[f"{name}_error"] = repr(exc)[:200]
+                    continue
+                if truth is not None and name != "stock":
+                    row[f"{name}_rel_err"] = ((out.float() - truth).abs().max() / truth.abs().max()).item()
                 for _ in range(3):
                     fn()
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -235,10 +262,11 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
                 stop.record()
                 torch.cuda.synchronize()
                 row[f"{name}_ms"] = start.elapsed_time(stop) / args.steps
-            row["floor_ms"] = 1000 * b * 2 * heads * dim * 2 * cap * share / HBM_BYTES_PER_S
+            slot_bytes = dim + 2 if int8 else dim * 2  # int8: the bytes and a bf16 scale
+            row["floor_ms"] = 1000 * b * 2 * heads * slot_bytes * cap * share / HBM_BYTES_PER_S
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del ring
+        del ring, ring8, scales
     return rows
 
 
@@ -430,7 +458,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")
-        p.add_argument("--kernels", default="256/32/2/3", help="chunk/block/warps/stages,... (attention)")
+        p.add_argument(
+            "--kernels", default="",
+            help="chunk/block/warps/stages[/int8],...: attention's configurations (default 256/32/2/3), "
+            "breakdown's int8 kernels, one engine each (default the engine's)",
+        )  # fmt: skip
         p.add_argument("--out", default="")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +33,27 @@ except ImportError:  # pragma: no cover - depends on the install
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Split size and tile shape of the partials kernel (chosen by measurement on an H200)."""
+    """Split size and tile shape of the partials kernel (chosen by measurement on an H200),
+    and for an int8 ring how its bytes become floats (see ``_partials_int8``)."""
 
     chunk: int = 256  # keys per program: at capacity 3000 a row is at most 12 programs
     block_n: int = 32  # keys loaded per iteration of a program
     warps: int = 2
     stages: int = 3
+    int8: str = "cast"  # "cast": int8 -> float32 per element; "bits": exponent trick; "dot": int8 q.k
+
+    @classmethod
+    def parse(cls, text: str) -> KernelConfig:
+        """``chunk/block/warps/stages[/int8]``, as the benchmarks name a configuration."""
+        fields = text.split("/")
+        return cls(*(int(x) for x in fields[:4]), *fields[4:])  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return f"{self.chunk}/{self.block_n}/{self.warps}/{self.stages}/{self.int8}"
 
 
 DEFAULT = KernelConfig()
+DEFAULT_INT8 = KernelConfig(int8="bits")
 
 
 def prefix_mask(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -59,10 +70,27 @@ def reference_attention(
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one scale per vector of the last dimension (a slot of one head)."""
+    """Symmetric int8 with one scale per vector of the last dimension (a slot of one head),
+    rounded half away from zero like ``write_quantized``."""
     scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
-    q8 = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    y = x.float() / scale[..., None]
+    q8 = (y.sign() * (y.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
     return q8, scale.to(x.dtype)
+
+
+def write_quantized(
+    k: torch.Tensor, v: torch.Tensor, ring: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """``quantize`` this step's ``k`` and ``v`` (``[B, H, 1, D]``) into slot ``slot[b]`` of
+    each row of the int8 ring ``[2, B, H, C, D]`` and its scales ``[2, B, H, C]``, in one
+    kernel where the torch form takes a dozen small ones a layer."""
+    b, h, _, d = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    _quantize_write[(b * h, 2)](
+        k, v, ring, scales, slot,
+        *k.stride()[:2], *v.stride()[:2], *ring.stride()[:4], *scales.stride(),
+        h, D=d, num_warps=1,
+    )  # fmt: skip
 
 
 def dequantize(ring: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -79,7 +107,7 @@ def live_attention(
     values: torch.Tensor,
     lengths: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: KernelConfig = DEFAULT,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row over the first ``lengths[b]`` slots of row ``b``.
 
@@ -90,23 +118,25 @@ def live_attention(
     """
     b, h, t, d = q.shape
     assert t == 1 and keys.stride(-1) == 1 and values.stride(-1) == 1
+    config = config or (DEFAULT if scales is None else DEFAULT_INT8)
     capacity = keys.shape[2]
     splits = triton.cdiv(capacity, config.chunk)
     q2 = q.reshape(b * h, d) if q.is_contiguous() else q.contiguous().reshape(b * h, d)
     part_out = torch.empty((b * h, splits, d), device=q.device, dtype=torch.float32)
     part_max = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
     part_sum = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
-    k_scale, v_scale = scales if scales is not None else (lengths, lengths)  # unread without QUANT
+    ring_strides = (*keys.stride()[:3], *values.stride()[:3])
+    k_scale, v_scale = scales if scales is not None else (lengths, lengths)  # unread without scales
     scale_strides = (*k_scale.stride()[:2], *v_scale.stride()[:2]) if scales is not None else (0, 0, 0, 0)
-    _partials[(b * h, splits)](
-        q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum,
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        *scale_strides,
-        h, splits, 1.0 / math.sqrt(d),
-        QUANT=scales is not None, CHUNK=config.chunk, BLOCK_N=config.block_n, D=d,
-        num_warps=config.warps, num_stages=config.stages,
-    )  # fmt: skip
+    args = (q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum,
+            *ring_strides, *scale_strides, h, splits, 1.0 / math.sqrt(d))  # fmt: skip
+    tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d,
+             "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
+    if scales is None or config.int8 == "cast":
+        _partials[(b * h, splits)](*args, QUANT=scales is not None, **tiles)
+    else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
+        assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
+        _partials_int8[(b * h, splits)](*args, DOT=config.int8 == "dot", **tiles)
     out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
     _merge[(b * h,)](
         part_out, part_max, part_sum, out, splits,
@@ -166,6 +196,118 @@ if triton is not None:
         tl.store(PART_SUM + part, l_i)
 
     @triton.jit
+    def _byte(w, i: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Byte ``i`` of each int32 word, an int8 ``x``, as float32, exactly: ``x + 128`` goes
+        into the mantissa of 2**23 and one add takes the bias off. Integer-to-float
+        conversions run at a fraction of an add's rate, and an int8 ring needs one a byte."""
+        return (((w >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+    @triton.jit
+    def _partials_int8(
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        heads, splits, scale,
+        DOT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """``_partials`` over an int8 ring, reading it as int32 words (four slots' bytes of one
+        vector each), with ``_byte`` for the values and, for the keys, ``_byte`` too or with
+        ``DOT`` the query rounded to int8 (one scale) and ``q . k`` on the tensor cores."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        b = row // heads
+        h = row % heads
+        length = tl.load(LENGTHS + b)
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        W: tl.constexpr = D // 4
+        j = tl.arange(0, W)
+        k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
+        v_words = (V + b.to(tl.int64) * stride_vb + h * stride_vh).to(tl.pointer_type(tl.int32))
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + h * stride_ksh
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + h * stride_vsh
+        if DOT:
+            d = tl.arange(0, D)
+            qf = tl.load(Q + row * D + d).to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), axis=0), 1e-30) / 127.0
+            qr = qf / q_scale
+            q8 = tl.where(qr >= 0, tl.floor(qr + 0.5), tl.ceil(qr - 0.5)).to(tl.int8)
+            q16 = tl.broadcast_to(q8[None, :], (16, D))  # a tensor-core product needs 16 rows
+            q_scale = q_scale * scale
+        else:
+            k_words = k_base.to(tl.pointer_type(tl.int32))
+            q0 = tl.load(Q + row * D + 4 * j).to(tl.float32) * scale  # byte i of word j is 4j + i
+            q1 = tl.load(Q + row * D + 4 * j + 1).to(tl.float32) * scale
+            q2 = tl.load(Q + row * D + 4 * j + 2).to(tl.float32) * scale
+            q3 = tl.load(Q + row * D + 4 * j + 3).to(tl.float32) * scale
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc0 = tl.zeros([W], dtype=tl.float32)
+        acc1 = tl.zeros([W], dtype=tl.float32)
+        acc2 = tl.zeros([W], dtype=tl.float32)
+        acc3 = tl.zeros([W], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            if DOT:
+                k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0)
+                s = tl.max(tl.dot(q16, tl.trans(k), out_dtype=tl.int32), axis=0).to(tl.float32) * q_scale
+            else:
+                kw = tl.load(
+                    k_words + n[:, None] * (stride_kc // 4) + j[None, :], mask=valid[:, None], other=0
+                )
+                s = tl.sum(
+                    _byte(kw, 0) * q0[None, :] + _byte(kw, 1) * q1[None, :]
+                    + _byte(kw, 2) * q2[None, :] + _byte(kw, 3) * q3[None, :], axis=1,
+                )  # fmt: skip
+            s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            pv = (p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32))[:, None]
+            vw = tl.load(v_words + n[:, None] * (stride_vc // 4) + j[None, :], mask=valid[:, None], other=0)
+            acc0 = acc0 * alpha + tl.sum(pv * _byte(vw, 0), axis=0)
+            acc1 = acc1 * alpha + tl.sum(pv * _byte(vw, 1), axis=0)
+            acc2 = acc2 * alpha + tl.sum(pv * _byte(vw, 2), axis=0)
+            acc3 = acc3 * alpha + tl.sum(pv * _byte(vw, 3), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        part = row * splits + split
+        out = PART_OUT + part * D + 4 * j
+        tl.store(out, acc0)
+        tl.store(out + 1, acc1)
+        tl.store(out + 2, acc2)
+        tl.store(out + 3, acc3)
+        tl.store(PART_MAX + part, m_i)
+        tl.store(PART_SUM + part, l_i)
+
+    @triton.jit
+    def _quantize_write(
+        K, V, RING, SCALES, SLOT, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_r0, stride_rb, stride_rh, stride_rc, stride_s0, stride_sb, stride_sh, stride_sc,
+        heads, D: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """One vector (key or value) of one (row, head): its scale, its bytes, both stored."""
+        row = tl.program_id(0)
+        which = tl.program_id(1)
+        b = row // heads
+        h = row % heads
+        d = tl.arange(0, D)
+        if which == 0:
+            x = tl.load(K + b * stride_kb + h * stride_kh + d).to(tl.float32)
+        else:
+            x = tl.load(V + b * stride_vb + h * stride_vh + d).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / 127.0
+        y = x / scale
+        q8 = tl.minimum(tl.maximum(tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5)), -127.0), 127.0)
+        slot = tl.load(SLOT + b)
+        ring = RING + which * stride_r0 + b.to(tl.int64) * stride_rb + h * stride_rh + slot * stride_rc
+        tl.store(ring + d, q8.to(tl.int8))
+        at = SCALES + which * stride_s0 + b.to(tl.int64) * stride_sb + h * stride_sh + slot * stride_sc
+        tl.store(at, scale.to(SCALES.dtype.element_ty))
+
+    @triton.jit
     def _merge(PART_OUT, PART_MAX, PART_SUM, OUT, splits, SPLITS: tl.constexpr, D: tl.constexpr) -> None:
         """Merge one (row, head)'s chunks; a row with no live slot gets zeros."""
         row = tl.program_id(0)
@@ -182,8 +324,3 @@ if triton is not None:
         num = tl.sum(w[:, None] * o, axis=0)
         out = num / tl.where(total > 0.0, total, 1.0)
         tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty))
-
-
-def describe(device: torch.device) -> dict[str, Any]:
-    """What the engine logs and the benchmarks record about the attention in use."""
-    return {"kernel": "triton" if triton_available(device) else "sdpa-prefix-mask", "config": DEFAULT}

@@ -30,6 +30,7 @@ from .live_attention import (
     quantize,
     reference_attention,
     triton_available,
+    write_quantized,
 )
 
 
@@ -117,18 +118,19 @@ class LiveAttention(StreamingMultiheadAttention):
         q, k, v = projected.view(b, 1, 3, heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
         if self.rope is not None:
             q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
-        slot = clock.slot.expand(b, heads, 1, k.shape[-1])
-        scales = None
-        if clock.quantized:
-            ring, (k, k_scale), (v, v_scale) = state.kv_cache.cache, quantize(k), quantize(v)
+        ring, scales = state.kv_cache.cache, None
+        if clock.quantized and clock.use_kernel:
             scales = state.kv_cache.scale
-            scale_slot = slot[..., 0]
-            scales[0].scatter_(2, scale_slot, k_scale)
-            scales[1].scatter_(2, scale_slot, v_scale)
+            write_quantized(k, v, ring, scales, clock.slot.view(-1))
         else:
-            ring = state.kv_cache.cache
-        ring[0].scatter_(2, slot, k)
-        ring[1].scatter_(2, slot, v)
+            slot = clock.slot.expand(b, heads, 1, k.shape[-1])
+            if clock.quantized:
+                (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
+                scales = state.kv_cache.scale
+                scales[0].scatter_(2, slot[..., 0], k_scale)
+                scales[1].scatter_(2, slot[..., 0], v_scale)
+            ring[0].scatter_(2, slot, k)
+            ring[1].scatter_(2, slot, v)
         if clock.use_kernel:
             x = live_attention(
                 q, ring[0], ring[1], clock.lengths, None if scales is None else (scales[0], scales[1])
