@@ -3,10 +3,10 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
-#   rtf-MODEL-N[-process][-stock][-int8][-lean][-mimistock][-ctxC][-tickT]
+#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-ctxC][-tickT]
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
-#                           unmasked attention (--moshi-depformer lean), Mimi's stock
+#                           stock attention (--moshi-depformer stock), Mimi's stock
 #                           attention (--moshi-mimi-attention stock), LM context C,
 #                           the engine's step clock T ms (0: step at once; default one frame)
 #   breakdown | attention | agreement
@@ -42,7 +42,7 @@ for phase in "$@"; do
         [ "$extra" = process ] && flags+=(--engine-process)
         [ "$extra" = stock ] && flags+=(--attention stock)
         [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
-        [ "$extra" = lean ] && flags+=(--depformer lean)
+        [ "$extra" = depstock ] && flags+=(--depformer stock)
         [ "$extra" = mimistock ] && flags+=(--mimi-attention stock)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
         [[ "$extra" == tick* ]] && flags+=(--tick-ms "${extra#tick}")

@@ -463,7 +463,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--context", type=int, default=0)
     r.add_argument("--attention", default="live", choices=("live", "stock"))
     r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
-    r.add_argument("--depformer", default="stock", choices=("stock", "lean"))
+    r.add_argument("--depformer", default="lean", choices=("stock", "lean"))
     r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
     r.add_argument(
         "--tick-ms",

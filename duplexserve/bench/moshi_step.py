@@ -453,7 +453,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--variants", default="live/bf16,live/int8,stock/bf16",
             help="agreement: attention/kv dtype[/depformer[/mimi attention]],... (the first is the base)",
         )  # fmt: skip
-        p.add_argument("--depformer", default="stock", help="breakdown: stock,lean (each its own engine)")
+        p.add_argument("--depformer", default="lean", help="breakdown: lean,stock (each its own engine)")
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)

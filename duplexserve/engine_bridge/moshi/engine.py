@@ -68,7 +68,7 @@ class MoshiEngine(Engine):
         cuda_graphs: bool = True,
         attention: str = "live",
         kv_dtype: str = "bf16",
-        depformer: str = "stock",
+        depformer: str = "lean",
         mimi_attention: str = "live",
     ) -> None:
         super().__init__(num_slots)

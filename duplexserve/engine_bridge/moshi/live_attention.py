@@ -53,7 +53,7 @@ class KernelConfig:
 
 
 DEFAULT = KernelConfig()
-DEFAULT_INT8 = KernelConfig(int8="bits")
+DEFAULT_INT8 = KernelConfig(block_n=16, warps=1, int8="bits")  # 0.37 ms against 0.62 (cast) a layer at 384
 
 
 def prefix_mask(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
