@@ -69,3 +69,33 @@ def test_every_frame_is_timed_also_when_messages_carry_several(echo_server):
     turn = res.closed["turnaround_ms"]
     assert 0 < turn["p50"] <= turn["p99"] <= turn["max"]
     assert 0 <= res.closed["late_frames"] <= 10
+
+
+def test_turnaround_starts_at_the_message_that_carried_the_frame(echo_server):
+    """A frame's turnaround lies inside the client's own round trip for it: paced messages
+    far apart must not be timed from the message before (the fast path once read the
+    receive time before it set it, and every frame came out one message gap late)."""
+    import json
+
+    import websockets
+
+    async def paced() -> tuple[float, dict]:
+        frames = noise(6, seed=33).reshape(6, 1920)
+        worst = 0.0
+        async with websockets.connect(echo_server.ws(), compression=None, max_size=None) as ws:
+            await ws.recv()  # session.created
+            for frame in frames:
+                sent = asyncio.get_running_loop().time()
+                await ws.send(frame.tobytes())
+                while isinstance(await ws.recv(), str):  # the frame's answer, past any event
+                    pass
+                worst = max(worst, asyncio.get_running_loop().time() - sent)
+                await asyncio.sleep(0.15)
+            await ws.send(json.dumps({"type": "input.end"}))
+            async for message in ws:
+                if isinstance(message, str) and json.loads(message)["type"] == "session.closed":
+                    return worst, json.loads(message)
+        raise AssertionError("no session.closed")
+
+    worst, closed = asyncio.run(paced())
+    assert closed["turnaround_ms"]["max"] <= 1000 * worst + 1.0, (closed["turnaround_ms"], worst)

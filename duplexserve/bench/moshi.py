@@ -263,6 +263,27 @@ def _late_by_time(results: list[dict], bucket_s: float) -> list[int]:
     return counts
 
 
+def _late_from_end(results: list[dict], last: int) -> list[int]:
+    """Late frames among each session's last ``last`` frames, the final frame first, then
+    all the earlier ones: a tail made at the end of a session shows here."""
+    counts = [0] * (last + 1)
+    for r in results:
+        late = r["lateness"] > 0
+        for k in range(last):
+            counts[k] += int(len(late) > k and late[-1 - k])
+        counts[last] += int(late[: max(0, len(late) - last)].sum())
+    return counts
+
+
+def _late_by_start(results: list[dict], parts: int) -> list[int]:
+    """Late frames by when the session opened (its place in the ramp, in ``parts`` groups):
+    the last sessions to open stream on while the first ones close."""
+    counts = [0] * parts
+    for i, r in enumerate(results):
+        counts[i * parts // len(results)] += int((r["lateness"] > 0).sum())
+    return counts
+
+
 def _rtt_by_time(results: list[dict], bucket_s: float) -> list[float]:
     """Mean frame round trip (ms) by when in its session each frame was: a step that grows
     with the context shows here, and so does any drift against the first frame."""
@@ -439,6 +460,8 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "late_frames_by_10s": _late_by_time(ok, 10.0),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
+        "late_frames_from_end": _late_from_end(ok, 8),
+        "late_frames_by_start_order": _late_by_start(ok, 8),
     }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -520,12 +520,12 @@ class Connection(ABC):
 
     def _receive_now(self, session: Session, data: bytes) -> bool:
         """``_receive_one`` without its coroutines, when ``binary_now`` takes the message."""
+        session.last_activity = self._loop.time()  # the receive time its frames are timed from
         try:
             if not self.binary_now(data):
                 return False
         except Exception as exc:
             self._receive_failed(session, exc)
-        session.last_activity = self._loop.time()
         self._received(session)
         return True
 
