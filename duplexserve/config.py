@@ -123,11 +123,11 @@ class ServerConfig:
         "frames of many sessions (fewer thread hand-offs per frame); 0 steps at once",
     )
     engine_tick_ms: float = _opt(
-        -1.0,
+        0.0,
         "step the engine on a clock of this period, every session with a frame in each step "
         "(docs/architecture.md: one step per frame instead of cohorts, at up to one frame of "
-        "latency); 0: step whenever a frame is pending; -1: 80 (one frame) for the moshi engine "
-        "on a GPU, 0 otherwise",
+        "latency; 80 is one frame); 0: step whenever a frame is pending (lower latency: the "
+        "H200 runs in docs/benchmarks.md)",
     )
 
     # Admission and bounds.
@@ -236,14 +236,6 @@ class ServerConfig:
             return self.engine_process
         return self.engine == "moshi" and self._on_gpu()
 
-    def tick_ms(self) -> float:
-        """``--engine-tick-ms`` as set, else one frame for the moshi engine on a GPU, whose
-        step costs about the same for a few sessions as for all, and 0 (step at once)
-        for the others, the moshi engine on the CPU (tests, development) included."""
-        if self.engine_tick_ms >= 0:
-            return self.engine_tick_ms
-        return 80.0 if self.engine == "moshi" and self._on_gpu() else 0.0
-
     def _on_gpu(self) -> bool:
         return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
 
@@ -261,8 +253,8 @@ class ServerConfig:
         if self.engine == "vllm-omni" and self.engine_process:
             raise ValueError("--engine vllm-omni runs its own orchestrator thread and processes: "
                              "--engine-process does not apply")
-        if self.engine_tick_ms < 0 and self.engine_tick_ms != -1:
-            raise ValueError("engine_tick_ms is a period in ms, or -1 for the engine's default")
+        if self.engine_tick_ms < 0:
+            raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.codec_threads < 1 or self.codec_processes < 0:

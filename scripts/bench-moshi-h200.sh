@@ -8,7 +8,7 @@
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
 #                           stock attention (--moshi-depformer stock), Mimi's stock
 #                           attention (--moshi-mimi-attention stock), LM context C,
-#                           the engine's step clock T ms (0: step at once; default one frame)
+#                           the engine's step clock T ms (default 0: step at once; 80: one frame)
 #   breakdown | attention | agreement
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1)
 set -uo pipefail

@@ -12,6 +12,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 
 from duplexserve.engine_bridge.batcher import CREEP_S, SLACK_S, SlotBatcher, StepClock
 
@@ -205,10 +206,10 @@ def test_a_server_on_the_clock_answers_every_frame_exactly_and_in_order(server_f
     assert ticks + metrics["duplexserve_engine_catchup_steps_total"] == steps and ticks > 0
 
 
-def test_the_clock_is_the_default_for_the_moshi_engine_on_a_gpu_only():
+def test_stepping_at_once_is_the_default_and_the_clock_is_chosen():
     from duplexserve.config import ServerConfig
 
-    assert ServerConfig(engine="moshi", device="cuda").tick_ms() == 80.0
-    assert ServerConfig(engine="moshi", device="cpu").tick_ms() == 0.0
-    assert ServerConfig(engine="synthetic").tick_ms() == 0.0
-    assert ServerConfig(engine="synthetic", engine_tick_ms=40.0).tick_ms() == 40.0
+    assert ServerConfig(engine="moshi", device="cuda").engine_tick_ms == 0.0
+    assert ServerConfig(engine="synthetic", engine_tick_ms=80.0).engine_tick_ms == 80.0
+    with pytest.raises(ValueError):
+        ServerConfig(engine="synthetic", engine_tick_ms=-1.0).validate()

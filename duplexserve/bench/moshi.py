@@ -491,8 +491,8 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--tick-ms",
         type=float,
-        default=-1.0,
-        help="the server's --engine-tick-ms (-1: its default, one frame; 0: step at once)",
+        default=0.0,
+        help="the server's --engine-tick-ms (0, its default: step at once; 80: a clock of one frame)",
     )
     r.add_argument(
         "--synthetic-step-ms",

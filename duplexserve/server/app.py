@@ -65,7 +65,7 @@ class DuplexApp:
             max_sessions_per_client=config.max_sessions_per_client,
             engine_stall_s=config.engine_stall_s,
             coalesce_ms=config.engine_coalesce_ms,
-            tick_ms=config.tick_ms(),
+            tick_ms=config.engine_tick_ms,
             resume_grace_s=config.resume_grace_s,
             late_frame_ms=config.late_frame_ms,
             engine_factory=None if engine else lambda: build_engine(config),
