@@ -260,12 +260,11 @@ KERNEL_CHECK = textwrap.dedent(
         deq = dequantize(ring8, scale, torch.float32)
         ref = reference_attention(q.float(), deq[0], deq[1], mask)
         ref[lengths == 0] = 0.0
-        # "cast" and "bits" read the same floats; "dot" rounds the query to int8 as well
-        for mode, mode_tol in [("cast", tol), ("bits", tol), ("dot", 0.02 * ref.abs().max().item())]:
+        for mode in ("cast", "bits"):  # a conversion a byte, or the word read: the same floats
             config = KernelConfig(int8=mode)
             got = live_attention(q, ring8[0], ring8[1], lengths, (scale[0], scale[1]), config).float()
             err = (got - ref).abs().max().item()
-            assert err < mode_tol, (dtype, mode, err)
+            assert err < tol, (dtype, mode, err)
             print(dtype, mode, "int8 max error", err)
 
     # the fused quantize-and-write against quantize + scatter (strided k, v as projected)
@@ -308,4 +307,4 @@ def test_the_triton_kernel_equals_the_masked_reference():
         [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("max error") == 11
+    assert done.stdout.count("max error") == 9

@@ -11,9 +11,11 @@ quarter of a 3000-frame ring, an idle slot (length 0) reads nothing.
 On CUDA a split-K Triton kernel (flash-decoding: each program takes one chunk of one
 row's prefix, a second kernel merges the chunks' softmax partials) does the reading;
 its grid is fixed by the capacity, so it replays inside a CUDA graph, and chunks past a
-row's length cost one load of the length. Anywhere else (the CPU, no Triton) the same
-prefix goes to ``scaled_dot_product_attention`` as a boolean mask of moshi's own shape,
-which gives moshi's results bit for bit.
+row's length cost one load of the length. An int8 ring (``--moshi-kv-dtype int8``) is
+read as int32 words, each byte made a float without a conversion instruction
+(``_partials_int8``), and written by one kernel a layer (``write_quantized``). Anywhere
+else (the CPU, no Triton) the same prefix goes to ``scaled_dot_product_attention`` as a
+boolean mask of moshi's own shape, which gives moshi's results bit for bit.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class KernelConfig:
     block_n: int = 32  # keys loaded per iteration of a program
     warps: int = 2
     stages: int = 3
-    int8: str = "cast"  # "cast": int8 -> float32 per element; "bits": exponent trick; "dot": int8 q.k
+    int8: str = "cast"  # "cast": int8 -> float32 a byte (the bf16 kernel's loop); "bits": ``_byte``
+
+    def __post_init__(self) -> None:
+        if self.int8 not in ("cast", "bits"):
+            raise ValueError(f"int8 read {self.int8!r}: cast or bits")
 
     @classmethod
     def parse(cls, text: str) -> KernelConfig:
@@ -136,7 +142,7 @@ def live_attention(
         _partials[(b * h, splits)](*args, QUANT=scales is not None, **tiles)
     else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
         assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
-        _partials_int8[(b * h, splits)](*args, DOT=config.int8 == "dot", **tiles)
+        _partials_int8[(b * h, splits)](*args, **tiles)
     out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
     _merge[(b * h,)](
         part_out, part_max, part_sum, out, splits,
@@ -208,11 +214,11 @@ if triton is not None:
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         heads, splits, scale,
-        DOT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     ) -> None:  # fmt: skip
-        """``_partials`` over an int8 ring, reading it as int32 words (four slots' bytes of one
-        vector each), with ``_byte`` for the values and, for the keys, ``_byte`` too or with
-        ``DOT`` the query rounded to int8 (one scale) and ``q . k`` on the tensor cores."""
+        """``_partials`` over an int8 ring read as int32 words (four bytes of one vector each),
+        every byte made a float by ``_byte``. (Rounding the query to int8 too, for ``q . k``
+        on the tensor cores, measured no faster and twice the error: docs/benchmarks.md.)"""
         row = tl.program_id(0)
         split = tl.program_id(1)
         b = row // heads
@@ -222,24 +228,14 @@ if triton is not None:
         end = tl.minimum(start + CHUNK, length)
         W: tl.constexpr = D // 4
         j = tl.arange(0, W)
-        k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
+        k_words = (K + b.to(tl.int64) * stride_kb + h * stride_kh).to(tl.pointer_type(tl.int32))
         v_words = (V + b.to(tl.int64) * stride_vb + h * stride_vh).to(tl.pointer_type(tl.int32))
         ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + h * stride_ksh
         vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + h * stride_vsh
-        if DOT:
-            d = tl.arange(0, D)
-            qf = tl.load(Q + row * D + d).to(tl.float32)
-            q_scale = tl.maximum(tl.max(tl.abs(qf), axis=0), 1e-30) / 127.0
-            qr = qf / q_scale
-            q8 = tl.where(qr >= 0, tl.floor(qr + 0.5), tl.ceil(qr - 0.5)).to(tl.int8)
-            q16 = tl.broadcast_to(q8[None, :], (16, D))  # a tensor-core product needs 16 rows
-            q_scale = q_scale * scale
-        else:
-            k_words = k_base.to(tl.pointer_type(tl.int32))
-            q0 = tl.load(Q + row * D + 4 * j).to(tl.float32) * scale  # byte i of word j is 4j + i
-            q1 = tl.load(Q + row * D + 4 * j + 1).to(tl.float32) * scale
-            q2 = tl.load(Q + row * D + 4 * j + 2).to(tl.float32) * scale
-            q3 = tl.load(Q + row * D + 4 * j + 3).to(tl.float32) * scale
+        q0 = tl.load(Q + row * D + 4 * j).to(tl.float32) * scale  # byte i of word j is 4j + i
+        q1 = tl.load(Q + row * D + 4 * j + 1).to(tl.float32) * scale
+        q2 = tl.load(Q + row * D + 4 * j + 2).to(tl.float32) * scale
+        q3 = tl.load(Q + row * D + 4 * j + 3).to(tl.float32) * scale
         m_i = tl.full([], float("-inf"), tl.float32)
         l_i = tl.full([], 0.0, tl.float32)
         acc0 = tl.zeros([W], dtype=tl.float32)
@@ -249,17 +245,11 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            if DOT:
-                k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0)
-                s = tl.max(tl.dot(q16, tl.trans(k), out_dtype=tl.int32), axis=0).to(tl.float32) * q_scale
-            else:
-                kw = tl.load(
-                    k_words + n[:, None] * (stride_kc // 4) + j[None, :], mask=valid[:, None], other=0
-                )
-                s = tl.sum(
-                    _byte(kw, 0) * q0[None, :] + _byte(kw, 1) * q1[None, :]
-                    + _byte(kw, 2) * q2[None, :] + _byte(kw, 3) * q3[None, :], axis=1,
-                )  # fmt: skip
+            kw = tl.load(k_words + n[:, None] * (stride_kc // 4) + j[None, :], mask=valid[:, None], other=0)
+            s = tl.sum(
+                _byte(kw, 0) * q0[None, :] + _byte(kw, 1) * q1[None, :]
+                + _byte(kw, 2) * q2[None, :] + _byte(kw, 3) * q3[None, :], axis=1,
+            )  # fmt: skip
             s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
