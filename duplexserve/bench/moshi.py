@@ -210,6 +210,7 @@ async def one_session(
         result["rtf"] = (recv[-1] - sent[0]) / (len(recv) * FRAME_S)
         deadline = recv[0] + FRAME_S * (np.arange(len(recv)) + 1)  # playback buffer of one frame
         result["lateness"] = recv - deadline
+        result["late_at"] = recv[result["lateness"] > 0]  # when, on the run's clock
 
 
 class Timeline(threading.Thread):
@@ -261,6 +262,13 @@ def _late_by_time(results: list[dict], bucket_s: float) -> list[int]:
             counts.extend([0] * (b + 1 - len(counts)))
             counts[b] += 1
     return counts
+
+
+def _late_by_run_time(results: list[dict], start: float) -> list[int]:
+    """Late frames by the second of the run they arrived in: a stall of the server, the
+    engine or the client shows as a spike at one moment across sessions."""
+    at = np.concatenate([r["late_at"] for r in results]) - start if results else np.zeros(0)
+    return np.bincount(at.astype(int)).tolist() if len(at) else []
 
 
 def _late_from_end(results: list[dict], last: int) -> list[int]:
@@ -458,6 +466,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "client_send_late_ms_max": 1000 * float(send_late.max()),
         "client_sends_late_over_10ms": int((send_late > 0.010).sum()),
         "late_frames_by_10s": _late_by_time(ok, 10.0),
+        "late_frames_by_run_s": _late_by_run_time(ok, wall0),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
         "late_frames_from_end": _late_from_end(ok, 8),
