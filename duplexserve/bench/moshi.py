@@ -467,6 +467,11 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "client_sends_late_over_10ms": int((send_late > 0.010).sum()),
         "late_frames_by_10s": _late_by_time(ok, 10.0),
         "late_frames_by_run_s": _late_by_run_time(ok, wall0),
+        # late because the client itself sent the message late, not the server
+        "late_frames_sent_late_over_10ms": sum(
+            int((r["send_late"][np.flatnonzero(r["lateness"] > 0) // (args.message_ms // 80)] > 0.010).sum())
+            for r in ok
+        ),
         "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
         "late_frames_from_end": _late_from_end(ok, 8),
