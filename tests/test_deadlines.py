@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 
-from duplexserve.server.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals
+from duplexserve.server.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals, percentiles
 from tests.native_client import converse
 from tests.native_client import signal as noise
 
@@ -44,6 +44,14 @@ def test_timer_flushes_in_bulk_and_forgets_what_it_timed():
     assert len(timer.arrivals) == 2 * 5  # only the messages of the 5 frames not yet flushed
     timer.flush()
     assert totals.count == n and totals.late == 0
+
+
+def test_percentiles_are_numpys_linear_estimate():
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 3, 10, 750, 16384):
+        values = rng.random(n).astype(np.float32)
+        np.testing.assert_allclose(percentiles(values, (0.0, 50.0, 99.0, 100.0)),
+                                   np.percentile(values, (0, 50, 99, 100)), rtol=1e-6)  # fmt: skip
 
 
 def test_session_closed_reports_turnaround_and_late_frames(server_factory):

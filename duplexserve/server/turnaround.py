@@ -122,6 +122,20 @@ class FrameTimer:
         self.flush()
         if not self._kept:
             return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-        p50, p99 = np.percentile(np.concatenate(self._kept), (50, 99))
+        p50, p99 = percentiles(np.concatenate(self._kept), (50.0, 99.0))
         return {"p50": round(float(p50) * 1000.0, 2), "p99": round(float(p99) * 1000.0, 2),
                 "max": round(self.max_s * 1000.0, 2)}
+
+
+def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
+    """``np.percentile``'s default (linear) estimate from one sort: at a session's end
+    ``np.percentile`` cost about 250 us of the loop for 750 values, the sort 9."""
+    ordered = np.sort(values)
+    last = len(ordered) - 1
+    out = []
+    for q in qs:
+        pos = q / 100.0 * last
+        lo = int(pos)
+        hi = min(lo + 1, last)
+        out.append(float(ordered[lo]) + (float(ordered[hi]) - float(ordered[lo])) * (pos - lo))
+    return out
