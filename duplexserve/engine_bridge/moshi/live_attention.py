@@ -154,6 +154,23 @@ def live_attention(
 if triton is not None:
 
     @triton.jit
+    def _chunk(LENGTHS, heads, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """This program's (row, head) and its chunk ``[start, end)`` of the row's live prefix."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        b = row // heads
+        start = split * CHUNK
+        return row, split, b, row % heads, start, tl.minimum(start + CHUNK, tl.load(LENGTHS + b))
+
+    @triton.jit
+    def _softmax_step(s, valid, m_i):  # type: ignore[no-untyped-def]
+        """One tile of the running softmax: the new maximum, the rescale of what came
+        before, and the tile's unnormalised weights (0 for keys past the chunk)."""
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new)
+
+    @triton.jit
     def _partials(
         Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
@@ -162,13 +179,7 @@ if triton is not None:
         QUANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     ) -> None:  # fmt: skip
         """One chunk of one (row, head): its softmax max, sum and weighted value sum."""
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        b = row // heads
-        h = row % heads
-        length = tl.load(LENGTHS + b)
-        start = split * CHUNK
-        end = tl.minimum(start + CHUNK, length)
+        row, split, b, h, start, end = _chunk(LENGTHS, heads, CHUNK)
         d = tl.arange(0, D)
         q = tl.load(Q + row * D + d).to(tl.float32) * scale
         k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
@@ -185,10 +196,7 @@ if triton is not None:
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             if QUANT:
                 s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
+            m_new, alpha, p = _softmax_step(s, valid, m_i)
             v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
             pv = p
             if QUANT:
@@ -219,13 +227,7 @@ if triton is not None:
         """``_partials`` over an int8 ring read as int32 words (four bytes of one vector each),
         every byte made a float by ``_byte``. (Rounding the query to int8 too, for ``q . k``
         on the tensor cores, measured no faster and twice the error: docs/benchmarks.md.)"""
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        b = row // heads
-        h = row % heads
-        length = tl.load(LENGTHS + b)
-        start = split * CHUNK
-        end = tl.minimum(start + CHUNK, length)
+        row, split, b, h, start, end = _chunk(LENGTHS, heads, CHUNK)
         W: tl.constexpr = D // 4
         j = tl.arange(0, W)
         k_words = (K + b.to(tl.int64) * stride_kb + h * stride_kh).to(tl.pointer_type(tl.int32))
@@ -251,10 +253,7 @@ if triton is not None:
                 + _byte(kw, 2) * q2[None, :] + _byte(kw, 3) * q3[None, :], axis=1,
             )  # fmt: skip
             s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
+            m_new, alpha, p = _softmax_step(s, valid, m_i)
             pv = (p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32))[:, None]
             vw = tl.load(v_words + n[:, None] * (stride_vc // 4) + j[None, :], mask=valid[:, None], other=0)
             acc0 = acc0 * alpha + tl.sum(pv * _byte(vw, 0), axis=0)
