@@ -79,6 +79,13 @@ class ServerConfig:
         " mask and SDPA (stock; what the CPU always runs)",
         ("live", "stock"),
     )
+    moshi_fp32_matmul: str = _opt(
+        "float32",
+        "moshi engine: Mimi's float32 matmuls in full float32 as Kyutai runs them, or on the tensor"
+        " cores as TF32 (10-bit mantissa, as torch already runs Mimi's convolutions; faster at large"
+        " batch, not exact: docs/moshi-engine.md)",
+        ("float32", "tf32"),
+    )
     moshi_depformer: str = _opt(
         "lean",
         "moshi engine: the depformer's attention over the live slots of its ring without a mask (lean:"

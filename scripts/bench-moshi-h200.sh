@@ -3,14 +3,16 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
-#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-ctxC][-tickT]
+#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-ctxC][-tickT]
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
 #                           stock attention (--moshi-depformer stock), Mimi's stock
-#                           attention (--moshi-mimi-attention stock), LM context C,
+#                           attention (--moshi-mimi-attention stock), Mimi's float32
+#                           matmuls as TF32 (--moshi-fp32-matmul tf32), LM context C,
 #                           the engine's step clock T ms (default 0: step at once; 80: one frame)
-#   breakdown | attention | agreement
-#                           duplexserve bench moshi-step (step parts, one layer, vs batch 1)
+#   breakdown | attention | agreement | mimi
+#                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
+#                           Mimi's float32 matmuls as TF32 against float32)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,7 +29,7 @@ for phase in "$@"; do
     steps-hibiki)
       python3 -m duplexserve bench moshi-steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
         --out "$OUT/steps-hibiki.json" ;;
-    breakdown|attention|agreement)
+    breakdown|attention|agreement|mimi)
       python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
     breakdown-*|agreement-*)
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
@@ -44,6 +46,7 @@ for phase in "$@"; do
         [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
         [ "$extra" = depstock ] && flags+=(--depformer stock)
         [ "$extra" = mimistock ] && flags+=(--mimi-attention stock)
+        [ "$extra" = tf32 ] && flags+=(--fp32-matmul tf32)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
         [[ "$extra" == tick* ]] && flags+=(--tick-ms "${extra#tick}")
       done

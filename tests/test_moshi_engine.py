@@ -194,3 +194,26 @@ def test_the_moshi_engine_on_a_gpu_runs_in_its_own_process_unless_told_not_to():
     assert not config("--engine", "moshi", "--device", "cpu").engine_in_process
     assert not config().engine_in_process  # the synthetic engine keeps one process
     assert config("--engine-process").engine_in_process
+
+
+def test_fp32_matmul_reaches_the_engine_and_sets_torchs_precision():
+    import argparse
+
+    import torch
+
+    from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
+
+    parser = argparse.ArgumentParser()
+    ServerConfig.add_arguments(parser)
+    config = ServerConfig.from_namespace(parser.parse_args(["--engine", "moshi", "--moshi-fp32-matmul", "tf32"]))
+    tf32 = moshi_engine_from_config(config)
+    assert tf32.fp32_matmul == "tf32"
+    with pytest.raises(ValueError, match="float32 or tf32"):
+        MoshiEngine(1, fp32_matmul="fp16")
+    matmul = torch.backends.cuda.matmul
+    try:
+        tf32.start()  # the CUDA flag is process-wide; the CPU's matmuls ignore it
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        tf32.stop()
+        matmul.fp32_precision = "ieee"

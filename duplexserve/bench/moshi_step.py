@@ -13,6 +13,9 @@
                streams first part, the output audio's SNR (raw, and of the part that
                differs between inputs); and, as the floor, each session of the first
                variant against another input's.
+    mimi       Mimi alone on one set of weights, its float32 matmuls in float32 against
+               TF32 (--moshi-fp32-matmul): the share of identical codes from the same
+               input, and the SNR of the audio decoded from the same codes.
 
 Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
 """
@@ -150,17 +153,18 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [DEFAULT_INT8]
     builds = [
-        (a, d, m, k)
+        (a, d, m, f, k)
         for a in args.attention.split(",")
         for d in args.depformer.split(",")
         for m in args.mimi_attention.split(",")
+        for f in args.fp32_matmul.split(",")
         for k in kernels
     ]
-    for attention, depformer, mimi_attention, kernel in builds:
+    for attention, depformer, mimi_attention, fp32_matmul, kernel in builds:
         live_attention.DEFAULT_INT8 = kernel  # read when the CUDA graphs are captured
         engine = MoshiEngine(
             batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
-            depformer=depformer, mimi_attention=mimi_attention,
+            depformer=depformer, mimi_attention=mimi_attention, fp32_matmul=fp32_matmul,
         )  # fmt: skip
         engine.start()
         for b in batches:
@@ -172,6 +176,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "kv_dtype": args.kv_dtype,
                     "depformer_attention": depformer,
                     "mimi_attention": mimi_attention,
+                    "fp32_matmul": fp32_matmul,
                     "int8_kernel": str(kernel),
                     **breakdown(engine, b, age, args.steps),
                 }
@@ -182,11 +187,11 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"{'lm/dep/mimi':>8} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} {'dec':>5} "
-          f"{'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
+    print(f"{'lm/dep/mimi/mm':>11} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
+          f"{'dec':>5} {'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
     for r in rows:
         print(
-            f"{'/'.join(r[k][:2] for k in ('attention', 'depformer_attention', 'mimi_attention')):>8} "
+            f"{'/'.join(r[k][:2] for k in ('attention', 'depformer_attention', 'mimi_attention', 'fp32_matmul')):>11} "  # noqa: E501
             f"{r['batch']:>4} {r['age']:>5} "
             f"{r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
@@ -402,6 +407,7 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine = MoshiEngine(
             8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype,
             depformer=rest[0] if rest else "stock", mimi_attention=rest[1] if rest[1:] else "stock",
+            fp32_matmul=rest[2] if rest[2:] else "float32",
         )  # fmt: skip
         engine.start()
         if saved is None:
@@ -440,9 +446,76 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every slot through the engine's streaming Mimi (its CUDA graphs): the codes of
+    ``audio`` (slots x samples), then the audio decoded from ``codes`` (or from its own)."""
+    import torch
+
+    mimi, device = engine.mimi, engine.device
+    b, frames = audio.shape[0], audio.shape[1] // FRAME
+    every = torch.ones(b, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        engine._mask_dev.fill_(True)
+        mimi.reset_streaming(every)
+        x = torch.from_numpy(audio).to(device)[:, None, :]
+        got = torch.cat([mimi.encode(x[..., t * FRAME : (t + 1) * FRAME]) for t in range(frames)], dim=-1)
+        feed = got if codes is None else torch.from_numpy(codes).to(device)
+        mimi.reset_streaming(every)
+        pcm = torch.cat([mimi.decode(feed[..., t : t + 1]) for t in range(frames)], dim=-1)
+    return got.cpu().numpy(), pcm[:, 0].float().cpu().numpy()
+
+
+def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Mimi's float32 matmuls as TF32 against float32, on the first build's weights."""
+    import torch
+
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
+
+    slots = 8
+    rng = np.random.default_rng(0)
+    audio = (rng.standard_normal((slots, args.frames * FRAME)) * rng.uniform(0.02, 0.3, (slots, 1))).astype(
+        np.float32
+    )
+    runs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    saved: tuple[dict, dict] | None = None
+    for precision in ("float32", "tf32"):
+        engine = MoshiEngine(
+            slots, args.preset, attention="live", mimi_attention=args.mimi_attention, fp32_matmul=precision
+        )
+        engine.start()
+        if saved is None:
+            saved = tuple(
+                {k: v.detach().clone() for k, v in m.state_dict().items()}
+                for m in (engine.mimi, engine.lm_gen.lm_model)
+            )  # type: ignore[assignment]
+        else:
+            _load_weights(engine, saved)
+        reference = runs.get("float32")
+        runs[precision] = _mimi_pass(engine, audio, reference[0] if reference else None)
+        engine.stop()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    (codes, pcm), (codes_tf32, pcm_tf32) = runs["float32"], runs["tf32"]
+    common = pcm.mean(axis=0)
+    pairs = list(zip(pcm_tf32, pcm, strict=True))
+    row = {
+        "preset": args.preset, "frames": args.frames, "sessions": slots,
+        "mimi_attention": args.mimi_attention,
+        "identical_codes": float((codes == codes_tf32).mean()),
+        "identical_codes_first_codebook": float((codes[:, 0] == codes_tf32[:, 0]).mean()),
+        "identical_codes_by_codebook": [round(float(v), 4) for v in (codes == codes_tf32).mean(axis=(0, 2))],
+        "decode_snr_db": [round(_snr_db((r**2).sum(), ((a - r) ** 2).sum()), 1) for a, r in pairs],
+        "decode_snr_varying_db": [round(_snr_db(((r - common) ** 2).sum(), ((a - r) ** 2).sum()), 1)
+                                  for a, r in pairs],
+    }  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
-    for name in ("breakdown", "attention", "agreement"):
+    for name in ("breakdown", "attention", "agreement", "mimi"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="hibiki-2b")
         p.add_argument("--batches", default="1,32,64,128,192,224")
@@ -451,13 +524,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--kv-dtype", default="bf16", help="breakdown: bf16 or int8")
         p.add_argument(
             "--variants", default="live/bf16,live/int8,stock/bf16",
-            help="agreement: attention/kv dtype[/depformer[/mimi attention]],... (the first is the base)",
+            help="agreement: attention/kv dtype[/depformer[/mimi attention[/fp32 matmul]]],... (the first is"
+            " the base; Kyutai's batch-1 loop runs after the last, with its fp32 matmul)",
         )  # fmt: skip
         p.add_argument("--depformer", default="lean", help="breakdown: lean,stock (each its own engine)")
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
+        p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
-        p.add_argument("--frames", type=int, default=60, help="frames per session (agreement)")
+        p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")
         p.add_argument(
             "--kernels", default="",
             help="chunk/block/warps/stages[/int8],...: attention's configurations (default 256/32/2/3), "
@@ -467,8 +542,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    rows = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}[args.part](
-        args
-    )
+    parts = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}
+    rows = {**parts, "mimi": cmd_mimi}[args.part](args)
     if args.out:
         Path(args.out).write_text(json.dumps({"part": args.part, "args": vars(args), "rows": rows}, indent=1))

@@ -70,6 +70,7 @@ class MoshiEngine(Engine):
         kv_dtype: str = "bf16",
         depformer: str = "lean",
         mimi_attention: str = "live",
+        fp32_matmul: str = "float32",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
@@ -90,6 +91,9 @@ class MoshiEngine(Engine):
         if mimi_attention not in ("stock", "live"):
             raise ValueError(f"--moshi-mimi-attention {mimi_attention!r}: stock or live")
         self.mimi_attention = mimi_attention
+        if fp32_matmul not in ("float32", "tf32"):
+            raise ValueError(f"--moshi-fp32-matmul {fp32_matmul!r}: float32 or tf32")
+        self.fp32_matmul = fp32_matmul
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
         lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
@@ -120,6 +124,13 @@ class MoshiEngine(Engine):
         self.device = device
         if self.threads:
             torch.set_num_threads(self.threads)
+        # Process-wide, set either way: Mimi's float32 matmuls are the process's only ones (the LM
+        # is bf16), and the CUDA graphs keep the kernels chosen when they are captured.
+        matmul = torch.backends.cuda.matmul
+        if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+            matmul.fp32_precision = "tf32" if self.fp32_matmul == "tf32" else "ieee"
+        else:
+            matmul.allow_tf32 = self.fp32_matmul == "tf32"
         dtype = {
             "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
             "bfloat16": torch.bfloat16,
@@ -394,4 +405,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         kv_dtype=config.moshi_kv_dtype,
         depformer=config.moshi_depformer,
         mimi_attention=config.moshi_mimi_attention,
+        fp32_matmul=config.moshi_fp32_matmul,
     )
