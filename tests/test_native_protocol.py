@@ -71,6 +71,17 @@ def test_text_deltas_are_aligned_with_output_frames(echo_server):
     assert all(isinstance(d["text"], str) and d["text"] for d in deltas)
 
 
+def test_text_delta_is_what_json_dumps_writes():
+    import json
+
+    from duplexserve.server.native import text_delta
+
+    for text in ("", " hello", 'quote " back\\slash', "é ünï \u2028 \x00 \U0001f600", "\n\t"):
+        for frame in (0, 7, np.int64(123456)):
+            event = {"type": "text.delta", "frame": int(frame), "text": text}
+            assert text_delta(frame, text) == json.dumps(event)
+
+
 def test_s16_round_trip_within_one_step(echo_server):
     pcm = (signal(6, seed=6) * 32767).astype("<i2")
     url = echo_server.ws(query="input_format=pcm_s16le&output_format=pcm_s16le")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -46,6 +47,13 @@ class Carry:
     sent_audio: ReplayRing
     sent_text: collections.deque[tuple[int, str]]
     wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
+
+
+def text_delta(frame: int, text: str) -> str:
+    """The ``text.delta`` event, byte for byte what ``json.dumps`` writes for its dict, in a
+    fifth of the time (json's own C string encoder, no dict walk): a model's text goes out
+    with its frame."""
+    return f'{{"type": "text.delta", "frame": {frame:d}, "text": {encode_basestring_ascii(text)}}}'
 
 
 class NativeConnection(Connection):
@@ -346,7 +354,7 @@ class NativeConnection(Connection):
         """The ``text.delta`` event of ``item``, kept for a replay first."""
         if self._sent_text is not None:
             self._sent_text.append((item.index, item.text))
-        return json.dumps({"type": "text.delta", "frame": item.index, "text": item.text})
+        return text_delta(item.index, item.text)
 
     async def render(self, item: Outgoing) -> None:
         cls = item.__class__
