@@ -205,7 +205,8 @@ def test_fp32_matmul_reaches_the_engine_and_sets_torchs_precision():
 
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser)
-    config = ServerConfig.from_namespace(parser.parse_args(["--engine", "moshi", "--moshi-fp32-matmul", "tf32"]))
+    flags = ["--engine", "moshi", "--moshi-fp32-matmul", "tf32"]
+    config = ServerConfig.from_namespace(parser.parse_args(flags))
     tf32 = moshi_engine_from_config(config)
     assert tf32.fp32_matmul == "tf32"
     with pytest.raises(ValueError, match="float32 or tf32"):

@@ -189,9 +189,10 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.cuda.empty_cache()
     print(f"{'lm/dep/mimi/mm':>11} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
           f"{'dec':>5} {'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
+    kinds = ("attention", "depformer_attention", "mimi_attention", "fp32_matmul")
     for r in rows:
         print(
-            f"{'/'.join(r[k][:2] for k in ('attention', 'depformer_attention', 'mimi_attention', 'fp32_matmul')):>11} "  # noqa: E501
+            f"{'/'.join(r[k][:2] for k in kinds):>11} "
             f"{r['batch']:>4} {r['age']:>5} "
             f"{r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
@@ -368,6 +369,14 @@ def _unrelated(result: tuple) -> tuple:
     return result[0][1:] + result[0][:1], result[1][1:] + result[1][:1]
 
 
+def _weights(engine: Any) -> tuple[dict, dict]:
+    """A copy of the first build's weights (Mimi's, the LM's) for ``_load_weights``."""
+    def copy(module: Any) -> dict:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    return copy(engine.mimi), copy(engine.lm_gen.lm_model)
+
+
 def _load_weights(engine: Any, saved: tuple[dict, dict]) -> int:
     """Give ``engine`` the first variant's weights (the random presets are rebuilt per
     variant, and CUDA's k-means of the codebooks need not repeat bit for bit); the
@@ -411,10 +420,7 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
         )  # fmt: skip
         engine.start()
         if saved is None:
-            saved = tuple(
-                {k: v.detach().clone() for k, v in m.state_dict().items()}
-                for m in (engine.mimi, engine.lm_gen.lm_model)
-            )  # type: ignore[assignment]
+            saved = _weights(engine)
         else:
             with torch.no_grad():
                 differed[variant] = _load_weights(engine, saved)
@@ -484,10 +490,7 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         engine.start()
         if saved is None:
-            saved = tuple(
-                {k: v.detach().clone() for k, v in m.state_dict().items()}
-                for m in (engine.mimi, engine.lm_gen.lm_model)
-            )  # type: ignore[assignment]
+            saved = _weights(engine)
         else:
             _load_weights(engine, saved)
         reference = runs.get("float32")
@@ -542,7 +545,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    parts = {"breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement}
-    rows = {**parts, "mimi": cmd_mimi}[args.part](args)
+    parts = {
+        "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi
+    }  # fmt: skip
+    rows = parts[args.part](args)
     if args.out:
         Path(args.out).write_text(json.dumps({"part": args.part, "args": vars(args), "rows": rows}, indent=1))
