@@ -95,9 +95,13 @@ class SlotBatcher:
         slots = np.flatnonzero(self._count)
         return float(self._due[slots, self._head[slots]].min()) if len(slots) else math.inf
 
-    def gather(self, cutoff: float = math.inf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def gather(
+        self, cutoff: float = math.inf, out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pop one frame from every slot whose next frame is due by ``cutoff``:
-        (slots, generations, batch)."""
+        (slots, generations, batch). With ``out`` (rows x frame samples, rows at least the
+        slots) the batch is its first rows: written where the engine reads it, instead of
+        into a new array that the engine then copies."""
         slots = np.flatnonzero(self._count)
         heads = self._head[slots]
         if cutoff != math.inf:
@@ -107,7 +111,12 @@ class SlotBatcher:
             if not len(slots):
                 return slots, slots, np.empty((0, 0), np.float32)
             self.arrived_past_due = float((self._arrived[slots, heads] - due[taken]).max())
-        frames = np.concatenate(self._ring[slots, heads].tolist()).reshape(len(slots), -1)
+        pending = self._ring[slots, heads].tolist()
+        if out is None:
+            frames = np.concatenate(pending).reshape(len(slots), -1)
+        else:
+            frames = out[: len(slots)]
+            np.concatenate(pending, out=frames.reshape(-1))
         self._ring[slots, heads] = None
         self._head[slots] = (heads + 1) % self.window
         self._count[slots] -= 1

@@ -347,7 +347,7 @@ class EngineBridge:
         self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
 
     def _step(self, cutoff: float = math.inf, lag_s: float | None = None, catch_up: bool = False) -> None:
-        slots, generations, frames = self._batcher.gather(cutoff)
+        slots, generations, frames = self._batcher.gather(cutoff, self.engine.input_buffer)
         if not len(slots):
             return  # a tick with nothing due yet
         started = time.perf_counter()

@@ -26,6 +26,11 @@ class Engine(ABC):
 
     name: str = "engine"
     frame_samples: int = 1920
+    #: (num_slots x frame_samples) float32 that the bridge may gather a step's frames into
+    #: and pass as ``frames`` (its first rows): an engine whose step copies its input into
+    #: a buffer of its own offers that buffer and skips the copy. None: a new array a step.
+    #: An engine offering it must not return views of it (the next step overwrites it).
+    input_buffer: np.ndarray | None = None
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots

@@ -6,7 +6,7 @@ event loop that moves every session's frames. In a child process they cannot.
 
 How: the bridge's engine thread calls this proxy exactly as it would call the engine.
 Frames go through shared memory (one (slots x 1920) float32 buffer each way, written
-in place, never pickled); a pipe carries only the small commands and each step's text.
+in place, never pickled; the bridge gathers each batch straight into the input buffer); a pipe carries only the small commands and each step's text.
 While the child steps, the engine thread waits on the pipe with the GIL released.
 """
 
@@ -50,6 +50,7 @@ class ProcessEngine(Engine):
         shape = (self.num_slots, self.frame_samples)
         self._in = np.ndarray(shape, np.float32, buffer=self._shm[0].buf)
         self._out = np.ndarray(shape, np.float32, buffer=self._shm[1].buf)
+        self.input_buffer = self._in  # the bridge gathers each batch straight into shared memory
         ctx = mp.get_context("spawn")  # never fork a process that holds threads (or CUDA)
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -84,7 +85,8 @@ class ProcessEngine(Engine):
 
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
         n = len(slots)
-        self._in[:n] = frames
+        if frames.base is not self._in:  # not gathered into the shared buffer already
+            self._in[:n] = frames
         text = self._call(("step", slots))
         return StepResult(self._out[:n].copy(), text)
 
@@ -101,6 +103,7 @@ class ProcessEngine(Engine):
                 self._proc.join(5)
         if self._conn is not None:
             self._conn.close()
+        self.input_buffer = None
         for shm in self._shm:
             shm.close()
             shm.unlink()
