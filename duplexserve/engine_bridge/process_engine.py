@@ -6,7 +6,8 @@ event loop that moves every session's frames. In a child process they cannot.
 
 How: the bridge's engine thread calls this proxy exactly as it would call the engine.
 Frames go through shared memory (one (slots x 1920) float32 buffer each way, written
-in place, never pickled; the bridge gathers each batch straight into the input buffer); a pipe carries only the small commands and each step's text.
+in place, never pickled; the bridge gathers each batch straight into the input buffer);
+a pipe carries only the small commands and each step's text.
 While the child steps, the engine thread waits on the pipe with the GIL released.
 """
 
