@@ -25,3 +25,14 @@ def require_vllm_omni() -> None:
         importlib.import_module("vllm_omni")
     else:
         pytest.importorskip("vllm_omni", reason=SKIP_REASON)
+
+
+def assert_text_follows_its_audio(got: list[tuple[int, str]], frames: int, every: int = 5) -> None:
+    """The stand-in says "w<seq>" on every ``every``-th unit (seq counts from 1: frames 4, 9,
+    ... for 5). vLLM-Omni emits a unit's text event after its audio event, and the two may
+    reach the loop in different batches, so the bridge's rule is: the text joins the frame
+    its unit made, or the next one when that frame already went out. Every word, once, in
+    order, each on its unit's frame or the one after."""
+    units = list(range(every - 1, frames, every))
+    assert [text for _, text in got] == [f"w{i + 1}" for i in units]
+    assert all(frame in (i, i + 1) for (frame, _), i in zip(got, units, strict=True)), got
