@@ -336,6 +336,16 @@ def _snr_db(signal: float, noise: float) -> float:
     return float(10 * np.log10(max(signal, 1e-30) / max(noise, 1e-30)))
 
 
+def _snrs(got: list[np.ndarray], ref: list[np.ndarray]) -> tuple[list[float], list[float]]:
+    """Each session's audio SNR against its reference: raw, and of the part of the reference
+    that is not common to all its sessions (a random decoder's bias response is)."""
+    common = np.mean(ref, axis=0)
+    pairs = list(zip(got, ref, strict=True))
+    raw = [_snr_db((r**2).sum(), ((a - r) ** 2).sum()) for a, r in pairs]
+    varying = [_snr_db(((r - common) ** 2).sum(), ((a - r) ** 2).sum()) for a, r in pairs]
+    return raw, varying
+
+
 def _compare(name: str, got: tuple, ref: tuple) -> dict[str, Any]:
     """Share of identical tokens (all, text, audio), where the streams first part, and the
     SNR of ``got``'s audio against ``ref``'s: raw, and with the part of ``ref`` common to
@@ -349,11 +359,7 @@ def _compare(name: str, got: tuple, ref: tuple) -> dict[str, Any]:
         int(np.flatnonzero((g != r).any(axis=1))[0]) if (g != r).any() else len(r)
         for g, r in zip(got[1], ref[1], strict=True)
     ]
-    common = np.mean(ref[0], axis=0)
-    snrs = [_snr_db((r**2).sum(), ((a - r) ** 2).sum()) for a, r in zip(got[0], ref[0], strict=True)]
-    varying = [
-        _snr_db(((r - common) ** 2).sum(), ((a - r) ** 2).sum()) for a, r in zip(got[0], ref[0], strict=True)
-    ]
+    snrs, varying = _snrs(got[0], ref[0])
     text_total = sum(len(r) for r in ref[1])
     return {"pair": name, "identical_tokens": same / total, "identical_text_tokens": text / text_total,
             "identical_audio_tokens": audio / (total - text_total),
@@ -500,17 +506,15 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
         gc.collect()
         torch.cuda.empty_cache()
     (codes, pcm), (codes_tf32, pcm_tf32) = runs["float32"], runs["tf32"]
-    common = pcm.mean(axis=0)
-    pairs = list(zip(pcm_tf32, pcm, strict=True))
+    snrs, varying = _snrs(list(pcm_tf32), list(pcm))
     row = {
         "preset": args.preset, "frames": args.frames, "sessions": slots,
         "mimi_attention": args.mimi_attention,
         "identical_codes": float((codes == codes_tf32).mean()),
         "identical_codes_first_codebook": float((codes[:, 0] == codes_tf32[:, 0]).mean()),
         "identical_codes_by_codebook": [round(float(v), 4) for v in (codes == codes_tf32).mean(axis=(0, 2))],
-        "decode_snr_db": [round(_snr_db((r**2).sum(), ((a - r) ** 2).sum()), 1) for a, r in pairs],
-        "decode_snr_varying_db": [round(_snr_db(((r - common) ** 2).sum(), ((a - r) ** 2).sum()), 1)
-                                  for a, r in pairs],
+        "decode_snr_db": [round(v, 1) for v in snrs],
+        "decode_snr_varying_db": [round(v, 1) for v in varying],
     }  # fmt: skip
     print(json.dumps(row), flush=True)
     return [row]

@@ -184,7 +184,7 @@ class NativeConnection(Connection):
                 timer.sent(index, self._loop.time())
             while t < len(texts) and texts[t][0] <= index:
                 if texts[t][0] == index:
-                    await self.send_json({"type": "text.delta", "frame": index, "text": texts[t][1]})
+                    await self.send_text(text_delta(index, texts[t][1]))
                 t += 1
 
     async def send_replaced(self) -> None:
