@@ -155,6 +155,12 @@ class Connection(ABC):
         """Send ``item`` encoded as ``data`` (what ``render`` does after its encode)."""
         raise NotImplementedError
 
+    def ended(self, item: ClosedOut) -> None:
+        """The session ended, whether or not its close reached the client (a dropped socket
+        renders nothing): bookkeeping that needs no socket. Called once, as the connection
+        ends; not for a session that lives on for a resume."""
+        return None
+
     def binary_now(self, data: bytes) -> bool:
         """Fast path: take binary message ``data`` here and now, without ``on_binary``'s
         coroutine, when nothing in it can wait; False: ``on_binary`` (nothing done yet)."""
@@ -196,6 +202,8 @@ class Connection(ABC):
                 if not session.closed and not session.detached:
                     self.orch.close(session, "disconnected", errors.GOING_AWAY)
                 self.orch.pump(session)
+                if session.closed_event is not None:
+                    self.ended(session.closed_event)
             if session.timer is not None:
                 session.timer.flush()
             self._release(session)

@@ -263,6 +263,8 @@ class TwilioConnection(Connection):
         if item.reason not in _CALL_GONE and self._frames_sent > self._played:
             COUNTS.clears_sent += 1  # the session is over: drop what Twilio still holds of it
             await self.send_text(wire.clear_json(self._sid_json))
+
+    def ended(self, item: ClosedOut) -> None:
         log.info(
             "twilio call %s ended (%s): frames in %d, out %d, dropped %d; marks sent %d, echoed %d,"
             " mean mark delay %.0f ms, most audio queued at Twilio %d ms; messages dropped %s",
