@@ -71,6 +71,20 @@ def test_input_end_completes_after_the_last_answer():
     assert s.closed
 
 
+def test_text_after_its_frame_went_out_keeps_that_frames_index():
+    s = make()
+    s.receive_audio(np.ones(2 * F, np.float32))
+    frames = s.frames_ready()
+    s.deliver(frames[0])
+    assert [type(i) for i in drain(s)] == [AudioOut]  # frame 0 is on its way
+    s.deliver_text(" late")  # the engine's text for frame 0, after its audio
+    s.deliver(frames[1], " on time")
+    assert [(type(i), i.index) for i in drain(s)] == [(TextOut, 0), (AudioOut, 1), (TextOut, 1)]
+    s.close("client_closed", 1000)
+    s.deliver_text(" gone")
+    assert [type(i) for i in drain(s)] == [ClosedOut]
+
+
 def test_close_counts_unanswered_frames_as_dropped():
     s = make()
     s.receive_audio(np.ones(4 * F, np.float32))

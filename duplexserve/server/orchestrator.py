@@ -281,7 +281,13 @@ class Orchestrator:
                         touched[id(session)] = session
                 continue
             audio, text = out.audio, out.text
-            assert audio is not None
+            if audio is None:  # text whose frame already went out (vLLM-Omni)
+                for row, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
+                    session = by_slot[slot]
+                    if session is not None and session.generation == generation:
+                        session.deliver_text(text[row])
+                        touched[id(session)] = session
+                continue
             for row, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
                 session = by_slot[slot]
                 if session is None or session.generation != generation:

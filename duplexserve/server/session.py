@@ -189,6 +189,12 @@ class Session:
         if self.state is State.ENDING:
             self._maybe_complete()
 
+    def deliver_text(self, text: str) -> None:
+        """Text for the frame that last went out: an engine that sends a unit's text after
+        its audio (vLLM-Omni) may see the frame leave first. After the close it is lost."""
+        if not self.closed:
+            self._out.append(TextOut(max(self.frames_out - 1, 0), text))
+
     def _maybe_complete(self) -> None:
         if self.frames_out == self.frames_in and not self._pending:
             self.close("completed", errors.NORMAL)

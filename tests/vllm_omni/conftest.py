@@ -30,9 +30,10 @@ def require_vllm_omni() -> None:
 def assert_text_follows_its_audio(got: list[tuple[int, str]], frames: int, every: int = 5) -> None:
     """The stand-in says "w<seq>" on every ``every``-th unit (seq counts from 1: frames 4, 9,
     ... for 5). vLLM-Omni emits a unit's text event after its audio event, and the two may
-    reach the loop in different batches, so the bridge's rule is: the text joins the frame
-    its unit made, or the next one when that frame already went out. Every word, once, in
-    order, each on its unit's frame or the one after."""
+    reach the loop in different batches; either way the text is on the frame its unit made
+    (after that frame's audio when it already went out). Every word, once, in order, each on
+    its unit's frame. (A text unit that is the session's last frame may lose its text when
+    its audio completes the session first: docs/vllm-omni.md; tests end on a plain frame.)"""
     units = list(range(every - 1, frames, every))
     assert [text for _, text in got] == [f"w{i + 1}" for i in units]
-    assert all(frame in (i, i + 1) for (frame, _), i in zip(got, units, strict=True)), got
+    assert [frame for frame, _ in got] == units, got

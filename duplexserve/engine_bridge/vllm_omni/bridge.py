@@ -71,7 +71,8 @@ EngineBuilder = Callable[[], tuple[Any, Callable[[], None]]]
 
 @dataclass(slots=True)
 class VllmOmniOutput:
-    """Rows for the orchestrator, shaped like ``StepOutput``; errors carry their text and code."""
+    """Rows for the orchestrator, shaped like ``StepOutput``; errors carry their text and code.
+    Without audio and error: text for the frame its session last got (``Session.deliver_text``)."""
 
     slots: np.ndarray
     generations: np.ndarray
@@ -97,7 +98,6 @@ class _Slot:
         "ready",
         "resampler",
         "sid",
-        "text",
     )
 
     def __init__(self, generation: int, sid: str, unit_ms: int, input_rate: int = MODEL_RATE) -> None:
@@ -108,7 +108,6 @@ class _Slot:
         self.pending: list[np.ndarray] = []  # frames that came before the open answered
         self.lease_generation = 0
         self.framer = OutputFramer(unit_ms)
-        self.text = ""  # text waiting for the next output frame
         #: Toward a model that does not take 24 kHz: its own 80 ms units, one per append.
         self.resampler = InputFramer(input_rate, unit_ms) if input_rate != MODEL_RATE else None
 
@@ -448,16 +447,18 @@ class VllmOmniBridge:
             decoded: Decoded = state.framer.on_event(event)
             if decoded.text:
                 # Text of a unit follows its audio: it joins the frame that unit just made,
-                # or the next one when that frame already went out.
+                # or, when that frame already went out (the two events came in different
+                # batches), follows it on its own, before any later frame of the session.
                 row = last_row.get(slot)
                 if row is not None:
                     rows[row][3] += decoded.text
                 else:
-                    state.text += decoded.text
+                    records.append(VllmOmniOutput(
+                        np.array([slot]), np.array([state.generation]), None, {0: decoded.text}
+                    ))
             for frame in decoded.frames:
                 last_row[slot] = len(rows)
-                rows.append([slot, state.generation, frame, state.text])
-                state.text = ""
+                rows.append([slot, state.generation, frame, ""])
             issue = decoded.issue
             if issue is None:
                 continue
