@@ -89,7 +89,7 @@ class ServerConfig:
     moshi_depformer: str = _opt(
         "lean",
         "moshi engine: the depformer's attention over the live slots of its ring without a mask (lean:"
-        " the same keys and values, equal to stock in float64 on the CPU; on CUDA one small kernel a"
+        " the same keys and values, stock's tokens in float64 on the CPU; on CUDA one small kernel a"
         " layer, 17 -> 9 ms a step at 384 slots, docs/benchmarks.md) or as the library runs it (stock:"
         " a position table and a masked SDPA per layer and codebook)",
         ("stock", "lean"),

@@ -85,6 +85,20 @@ def test_text_after_its_frame_went_out_keeps_that_frames_index():
     assert [type(i) for i in drain(s)] == [ClosedOut]
 
 
+def test_a_completion_grace_keeps_a_finished_session_open_for_its_last_text():
+    s = make()
+    s.completion_grace_s = 0.05
+    s.receive_audio(np.ones(F, np.float32))
+    s.end_input()
+    s.deliver(s.frames_ready()[0])
+    assert s.complete_due and not s.closed  # the orchestrator closes it after the grace
+    s.deliver_text(" last")
+    s.close("completed", 1000)
+    items = drain(s)
+    assert [type(i) for i in items] == [AudioOut, TextOut, ClosedOut] and items[1].index == 0
+    assert items[-1] == ClosedOut("completed", 1000, 1, 1, 0)
+
+
 def test_close_counts_unanswered_frames_as_dropped():
     s = make()
     s.receive_audio(np.ones(4 * F, np.float32))

@@ -186,6 +186,7 @@ class Orchestrator:
         )
         assert self._loop is not None
         session.started = session.last_activity = self._loop.time()
+        session.completion_grace_s = getattr(self.bridge, "trailing_text_s", 0.0)
         self._by_slot[slot] = session
         self.counts.sessions_accepted += 1
         self.bridge.open(slot, session.generation, params or {})
@@ -197,6 +198,11 @@ class Orchestrator:
         if session.state is State.CLOSED:
             self._release(session)
             return
+        if session.complete_due:  # every frame answered: close once trailing text had its time
+            session.complete_due = False
+            assert self._loop is not None
+            self._loop.call_later(session.completion_grace_s, self._complete, session)
+            return
         frames = session.frames_ready()
         if frames:
             slot, generation, try_submit = session.slot, session.generation, self.bridge.try_submit
@@ -205,6 +211,10 @@ class Orchestrator:
                     session.unready(frames[i:])
                     self._waiting[slot] = session  # pumped again when results come back
                     return
+
+    def _complete(self, session: Session) -> None:
+        if not session.closed:
+            self.close(session, "completed", errors.NORMAL)
 
     def close(self, session: Session, reason: str, close_code: int) -> None:
         session.close(reason, close_code)

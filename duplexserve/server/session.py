@@ -68,6 +68,12 @@ class Session:
         self._arrived = timer.arrivals.extend if timer is not None else None
         #: Called after the session queued something or freed room; the adapter wakes on it.
         self.notify: Callable[[], None] = no_notify
+        #: How long to wait after the last answer before closing ``completed``: for an engine
+        #: whose text for a frame may come after the frame (vLLM-Omni). 0: close at once.
+        self.completion_grace_s = 0.0
+        #: Every frame is answered after input.end; whoever owns the clock closes it after
+        #: the grace (``Orchestrator.pump``).
+        self.complete_due = False
         self._partial = np.zeros(0, dtype=np.float32)
         self._pending: collections.deque[np.ndarray] = collections.deque()
         self._out: collections.deque[Outgoing] = collections.deque()
@@ -191,13 +197,17 @@ class Session:
 
     def deliver_text(self, text: str) -> None:
         """Text for the frame that last went out: an engine that sends a unit's text after
-        its audio (vLLM-Omni) may see the frame leave first. After the close it is lost."""
+        its audio (vLLM-Omni) may see the frame leave first (``completion_grace_s`` keeps a
+        finished session open for the last frame's)."""
         if not self.closed:
             self._out.append(TextOut(max(self.frames_out - 1, 0), text))
 
     def _maybe_complete(self) -> None:
         if self.frames_out == self.frames_in and not self._pending:
-            self.close("completed", errors.NORMAL)
+            if self.completion_grace_s:
+                self.complete_due = True
+            else:
+                self.close("completed", errors.NORMAL)
 
     def say(self, payload: object) -> None:
         """Queue a protocol-specific message in order with audio."""

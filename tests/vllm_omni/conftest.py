@@ -32,8 +32,7 @@ def assert_text_follows_its_audio(got: list[tuple[int, str]], frames: int, every
     ... for 5). vLLM-Omni emits a unit's text event after its audio event, and the two may
     reach the loop in different batches; either way the text is on the frame its unit made
     (after that frame's audio when it already went out). Every word, once, in order, each on
-    its unit's frame. (A text unit that is the session's last frame may lose its text when
-    its audio completes the session first: docs/vllm-omni.md; tests end on a plain frame.)"""
+    its unit's frame, the last one too (a finished session waits for its text)."""
     units = list(range(every - 1, frames, every))
     assert [text for _, text in got] == [f"w{i + 1}" for i in units]
     assert [frame for frame, _ in got] == units, got

@@ -11,10 +11,11 @@ builds that mask from a position table in every layer of every codebook step (ab
 small kernels) and hands it to SDPA, which with a mask takes cuDNN's masked kernel:
 5.8 ms of the step at 384 hibiki-2b slots on the H200 for 96 calls over at most 8 keys.
 Here the slot is written with one copy and the live slots are read unmasked: on the
-CPU by SDPA over the slice (the tests show the depformer's tokens and logits equal to
-stock moshi's in float64, bit for bit), on CUDA by ``ring_attention`` (one small program
-per row and head; SDPA's flash kernel over the slice took 142 us a call at 384 slots,
-more than cuDNN's masked one, docs/benchmarks.md).
+CPU by SDPA over the slice (the tests show the depformer's tokens equal to stock
+moshi's and its logits equal in float64 up to the order of the sums: without the masked
+keys a vectorised kernel may add in another order, 1e-15 on an AVX-512 CPU), on CUDA
+by ``ring_attention`` (one small program per row and head; SDPA's flash kernel over the
+slice took 142 us a call at 384 slots, more than cuDNN's masked one, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -115,6 +115,11 @@ class _Slot:
 class VllmOmniBridge:
     """Loop-facing twin of :class:`EngineBridge` for vLLM-Omni's engine."""
 
+    #: A unit's text event comes after its audio event, possibly in the next batch: a session
+    #: whose input ended and whose every frame is out stays open this long for its last
+    #: frame's text (``Session.completion_grace_s``).
+    trailing_text_s = 0.05
+
     def __init__(
         self,
         build: EngineBuilder,
