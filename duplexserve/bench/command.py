@@ -63,6 +63,7 @@ BENCHMARKS = {
         "turnaround_cost", "the per-frame CPU of the deadline and replay bookkeeping"
     ),
     "soak": Benchmark("soak", "sessions come and go for a set time; leaks and losses counted"),
+    "bridge-cost": Benchmark("bridge_cost", "the engine thread's own CPU a step and a frame, no sockets"),
 }
 
 
