@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from duplexserve.engine_bridge.batcher import SlotBatcher
+from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
 from duplexserve.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, TextOut
@@ -135,8 +135,9 @@ def test_fatal_error_closes_with_its_code():
     assert items[-1].reason == "invalid_audio" and items[-1].close_code == 1003
 
 
-def test_batcher_gathers_one_frame_per_slot_in_order():
-    b = SlotBatcher(4, window=3)
+@pytest.mark.parametrize("make_batcher", [SlotBatcher, FifoBatcher])
+def test_batcher_gathers_one_frame_per_slot_in_order(make_batcher):
+    b = make_batcher(4, window=3)
     b.open(1, 10)
     b.open(3, 30)
     for k in range(3):
@@ -149,12 +150,19 @@ def test_batcher_gathers_one_frame_per_slot_in_order():
     assert batch[:, 0].tolist() == [0, 9]
     slots, _, batch = b.gather()
     assert slots.tolist() == [1] and batch[0, 0] == 1
+    assert b.push(3, 30, np.full(F, 8, np.float32)) and b.pending == 2
     b.close(1)
+    assert b.pending == 1
+    b.open(1, 11)  # a new session in the slot: nothing of the old one is left
+    assert b.push(1, 11, np.full(F, 5, np.float32))
+    slots, gens, batch = b.gather()
+    assert slots.tolist() == [1, 3] and gens.tolist() == [11, 30] and batch[:, 0].tolist() == [5, 8]
     assert b.pending == 0
 
 
-def test_batcher_gathers_into_the_engines_buffer():
-    b = SlotBatcher(4, window=2)
+@pytest.mark.parametrize("make_batcher", [SlotBatcher, FifoBatcher])
+def test_batcher_gathers_into_the_engines_buffer(make_batcher):
+    b = make_batcher(4, window=2)
     for slot in (0, 2, 3):
         b.open(slot, 1)
         b.push(slot, 1, np.full(F, slot, np.float32))

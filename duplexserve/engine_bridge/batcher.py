@@ -1,10 +1,12 @@
-"""Per-slot FIFOs of pending frames, gathered into one batch with array operations.
+"""Per-slot FIFOs of pending frames, gathered into one batch a step.
 
-Frames are kept as references to the views the loop handed over (no copy), in a
-(slots x window) object ring. A step takes the oldest frame of every slot that has
-one: the indices, the generations and the frames come out of fancy indexing, and
-the one copy is ``np.concatenate`` building the contiguous batch the model eats (a
-third of ``np.stack``'s cost: no view and shape check per frame).
+Stepping at once (the default), :class:`FifoBatcher` keeps them in a deque a slot. On a
+step clock, :class:`SlotBatcher` keeps them with each frame's due time, as references to
+the views the loop handed over (no copy), in a (slots x window) object ring. A step
+takes the oldest frame of every slot that has one: the indices, the generations and the
+frames come out of fancy indexing. Either way the one copy is ``np.concatenate``
+building the contiguous batch the model eats (a third of ``np.stack``'s cost: no view
+and shape check per frame).
 
 With a step clock (``frame_s`` set) each frame also gets the time it is due on its
 session's own schedule: frame k of a slot is due at ``ref + k x frame`` where ``ref`` is
@@ -18,6 +20,7 @@ A message a whole frame behind the schedule (a sender that paused) starts a new 
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -158,3 +161,58 @@ class StepClock:
             self.catch_up = True
             return 0.0, self.last - SLACK_S
         return self.next - now, 0.0
+
+
+class FifoBatcher:
+    """:class:`SlotBatcher` for stepping at once (no clock): every slot holding a frame
+    gives its oldest. Per-slot deques and a dict of the slots that hold frames: a push is
+    a few list operations, not numpy's scalar indexing, and a gather passes over those
+    slots only (``duplexserve bench bridge-cost``; docs/benchmarks.md)."""
+
+    arrived_past_due = 0.0  # no clock: nothing is due
+
+    def __init__(self, num_slots: int, window: int) -> None:
+        self.window = window
+        self._fifo: list[collections.deque[np.ndarray]] = [collections.deque() for _ in range(num_slots)]
+        self._generation = [-1] * num_slots
+        self._ready: dict[int, None] = {}  # the slots holding frames
+        self.pending = 0  # frames held over all slots
+
+    def open(self, slot: int, generation: int) -> None:
+        self.close(slot)
+        self._generation[slot] = generation
+
+    def close(self, slot: int) -> None:
+        fifo = self._fifo[slot]
+        self.pending -= len(fifo)
+        fifo.clear()
+        self._ready.pop(slot, None)
+        self._generation[slot] = -1
+
+    def push(self, slot: int, generation: int, frame: np.ndarray, now: float = 0.0) -> bool:
+        """As :meth:`SlotBatcher.push` (``now`` unused)."""
+        if self._generation[slot] != generation:
+            return True
+        fifo = self._fifo[slot]
+        if len(fifo) >= self.window:
+            return False
+        fifo.append(frame)
+        self._ready[slot] = None
+        self.pending += 1
+        return True
+
+    def gather(
+        self, cutoff: float = math.inf, out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As :meth:`SlotBatcher.gather`, slots in ascending order (``cutoff`` unused)."""
+        fifo, generation = self._fifo, self._generation
+        slots = sorted(self._ready)
+        pending = [fifo[s].popleft() for s in slots]
+        self._ready = {s: None for s in slots if fifo[s]}
+        self.pending -= len(slots)
+        if out is None:
+            frames = np.concatenate(pending).reshape(len(slots), -1)
+        else:
+            frames = out[: len(slots)]
+            np.concatenate(pending, out=frames.reshape(-1))
+        return np.array(slots, np.int64), np.array([generation[s] for s in slots], np.int64), frames

@@ -41,7 +41,7 @@ from typing import Any
 import janus
 import numpy as np
 
-from duplexserve.engine_bridge.batcher import SlotBatcher, StepClock
+from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher, StepClock
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.overflow import OrderedPutter
 
@@ -124,8 +124,11 @@ class EngineBridge:
         #: between the step and the socket).
         self.on_deliver = on_deliver
         self._queue_size = queue_size
-        frame_s = engine.frame_samples / 24000 if tick_s else 0.0
-        self._batcher = SlotBatcher(engine.num_slots, window, frame_s)
+        self._batcher = (
+            SlotBatcher(engine.num_slots, window, engine.frame_samples / 24000)
+            if tick_s
+            else FifoBatcher(engine.num_slots, window)
+        )
         self._queue: janus.Queue[tuple[float, list[tuple[int, int, Any]]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
