@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from duplexserve.server.events import AudioOut, ClosedOut, TextOut
 from duplexserve.server.session import Limits, Session, State
 
 F = 1920
+CLOCKED = functools.partial(SlotBatcher, frame_s=0.08)  # the step clock's batcher
 
 
 def make(limits: Limits | None = None) -> Session:
@@ -135,7 +138,7 @@ def test_fatal_error_closes_with_its_code():
     assert items[-1].reason == "invalid_audio" and items[-1].close_code == 1003
 
 
-@pytest.mark.parametrize("make_batcher", [SlotBatcher, FifoBatcher])
+@pytest.mark.parametrize("make_batcher", [CLOCKED, FifoBatcher])
 def test_batcher_gathers_one_frame_per_slot_in_order(make_batcher):
     b = make_batcher(4, window=3)
     b.open(1, 10)
@@ -160,7 +163,7 @@ def test_batcher_gathers_one_frame_per_slot_in_order(make_batcher):
     assert b.pending == 0
 
 
-@pytest.mark.parametrize("make_batcher", [SlotBatcher, FifoBatcher])
+@pytest.mark.parametrize("make_batcher", [CLOCKED, FifoBatcher])
 def test_batcher_gathers_into_the_engines_buffer(make_batcher):
     b = make_batcher(4, window=2)
     for slot in (0, 2, 3):
@@ -179,7 +182,7 @@ def test_process_engine_answers_from_its_shared_buffer_and_from_any_array():
     proxy = ProcessEngine(ServerConfig(engine="synthetic", engine_process=True, max_sessions=4, text_every=0))
     proxy.start()
     try:
-        b = SlotBatcher(4, window=2)
+        b = FifoBatcher(4, window=2)
         for slot in range(4):
             b.open(slot, 1)
             proxy.open(slot, {})

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from duplexserve.engine_bridge.batcher import CREEP_S, SLACK_S, SlotBatcher, StepClock
+from duplexserve.engine_bridge.batcher import CREEP_S, SLACK_S, FifoBatcher, SlotBatcher, StepClock
 
 P = 0.08
 FRAME = np.zeros(4, np.float32)
@@ -100,7 +100,8 @@ def simulate(
     ``step_s(batch)``. Returns the steps per frame period and, per session, (frame, latency from the
     message's arrival to the end of the step that answered it) in order."""
     rng = random.Random(seed)
-    b = SlotBatcher(sessions, window=16, frame_s=P if tick_s else 0.0)
+    # the bridge's batchers: on the clock, or at once
+    b = SlotBatcher(sessions, window=16, frame_s=P) if tick_s else FifoBatcher(sessions, window=16)
     clock = StepClock(tick_s) if tick_s else None
     arrivals = []
     for s in range(sessions):

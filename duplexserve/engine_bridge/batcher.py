@@ -8,7 +8,7 @@ frames come out of fancy indexing. Either way the one copy is ``np.concatenate``
 building the contiguous batch the model eats (a third of ``np.stack``'s cost: no view
 and shape check per frame).
 
-With a step clock (``frame_s`` set) each frame also gets the time it is due on its
+On the clock each frame also gets the time it is due on its
 session's own schedule: frame k of a slot is due at ``ref + k x frame`` where ``ref`` is
 the earliest phase the sender has shown lately (``arrival - k x frame`` of the first frame
 of each message; frames put in one loop iteration share their arrival): the smallest so
@@ -34,9 +34,9 @@ CREEP_S = 0.00005
 
 
 class SlotBatcher:
-    def __init__(self, num_slots: int, window: int, frame_s: float = 0.0) -> None:
+    def __init__(self, num_slots: int, window: int, frame_s: float) -> None:
         self.window = window
-        self.frame_s = frame_s
+        self.frame_s = frame_s  # the clock's period: frames fall due one such apart
         self._ring = np.empty((num_slots, window), dtype=object)
         self._head = np.zeros(num_slots, dtype=np.int64)
         self._count = np.zeros(num_slots, dtype=np.int64)
@@ -77,18 +77,17 @@ class SlotBatcher:
             return False
         index = (self._head[slot] + count) % self.window
         self._ring[slot, index] = frame
-        if self.frame_s:
-            k = self._pushed[slot]
-            self._pushed[slot] = k + 1
-            ref = self._ref[slot]
-            if now != self._received[slot]:  # the first frame of a message: a phase seen
-                self._received[slot] = now
-                phase = now - k * self.frame_s
-                # a sender a frame behind its schedule paused: a new schedule from here
-                ref = phase if phase > ref + self.frame_s else min(ref + CREEP_S, phase)
-                self._ref[slot] = ref
-            self._due[slot, index] = ref + k * self.frame_s
-            self._arrived[slot, index] = now
+        k = self._pushed[slot]
+        self._pushed[slot] = k + 1
+        ref = self._ref[slot]
+        if now != self._received[slot]:  # the first frame of a message: a phase seen
+            self._received[slot] = now
+            phase = now - k * self.frame_s
+            # a sender a frame behind its schedule paused: a new schedule from here
+            ref = phase if phase > ref + self.frame_s else min(ref + CREEP_S, phase)
+            self._ref[slot] = ref
+        self._due[slot, index] = ref + k * self.frame_s
+        self._arrived[slot, index] = now
         self._count[slot] = count + 1
         self.pending += 1
         return True
