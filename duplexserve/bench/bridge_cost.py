@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from typing import Any
 
 import numpy as np
 
+from duplexserve.codecs.procpool import stat_cpu_seconds
 from duplexserve.engine_bridge.bridge import EngineBridge
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
 
@@ -35,12 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=4, help="frames in flight a session")
     p.add_argument("--coalesce-ms", type=float, default=1.0, help="the server's --engine-coalesce-ms")
     p.add_argument("--out", default="", help="write the rows as JSON here")
-
-
-def _thread_cpu(native_id: int) -> float:
-    with open(f"/proc/self/task/{native_id}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _level(sessions: int, frames: int, window: int, coalesce_s: float) -> dict[str, Any]:
@@ -70,14 +64,14 @@ async def _level(sessions: int, frames: int, window: int, coalesce_s: float) -> 
             bridge.open(slot, 1, {})
         await asyncio.sleep(0.05)
         assert bridge._thread is not None and bridge._thread.native_id is not None
-        tid = bridge._thread.native_id
-        engine0, process0, wall0 = _thread_cpu(tid), time.process_time(), time.perf_counter()
+        stat = f"/proc/self/task/{bridge._thread.native_id}/stat"
+        engine0, process0, wall0 = stat_cpu_seconds(stat), time.process_time(), time.perf_counter()
         steps0 = bridge.counts.steps
         for slot in range(sessions):
             for _ in range(min(window, per_session)):
                 submit(slot)
         await done.wait()
-        engine = _thread_cpu(tid) - engine0
+        engine = stat_cpu_seconds(stat) - engine0
         process, wall = time.process_time() - process0, time.perf_counter() - wall0
         steps = bridge.counts.steps - steps0
     finally:

@@ -38,7 +38,7 @@ from duplexserve.bench.signals import espeak_speech, model_signal, speechlike
 from duplexserve.codecs import FRAME_SAMPLES, MODEL_RATE, AudioFormat, make_decoder, make_encoder
 from duplexserve.codecs.libopus import LIBOPUS, LibopusStreamEncoder
 from duplexserve.codecs.opus import OpusStreamEncoder
-from duplexserve.codecs.procpool import CodecProcesses
+from duplexserve.codecs.procpool import CodecProcesses, stat_cpu_seconds
 from duplexserve.codecs.resample import StreamResampler
 
 PATHS = [
@@ -227,12 +227,6 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def bench_hop(calls: int = 20000) -> dict[str, float]:
     async def main() -> dict[str, float]:
         loop = asyncio.get_running_loop()
@@ -278,7 +272,7 @@ def bench_opus_offload(sessions: int = 64, frames: int = 40, workers: int = 2) -
                 await asyncio.gather(*(e.encode_async(model_frames[0]) for _, e in codecs[:workers]))
                 codecs = [(make_decoder(fmt, procs), make_encoder(fmt, procs)) for _ in range(sessions)]
             pids = [w.proc.pid for w in procs._workers] if procs is not None else []
-            w0 = sum(_proc_cpu(p) for p in pids)
+            w0 = sum(stat_cpu_seconds(f"/proc/{p}/stat") for p in pids)
 
             async def session(dec, enc) -> None:
                 for i in range(frames):
@@ -297,7 +291,7 @@ def bench_opus_offload(sessions: int = 64, frames: int = 40, workers: int = 2) -
             await asyncio.gather(*(session(d, e) for d, e in codecs))
             n = sessions * frames
             wall = time.perf_counter() - wall0
-            worker_cpu = sum(_proc_cpu(p) for p in pids) - w0
+            worker_cpu = sum(stat_cpu_seconds(f"/proc/{p}/stat") for p in pids) - w0
             return {
                 "mode": mode,
                 "wall_us_per_frame": round(wall / n * 1e6, 1),

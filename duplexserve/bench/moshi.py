@@ -128,14 +128,13 @@ def cmd_steps(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- rtf
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(process itself, its descendants) user + system CPU seconds, read from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
+    from duplexserve.codecs.procpool import stat_cpu_seconds
 
     def own(p: int) -> float:
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return stat_cpu_seconds(f"/proc/{p}/stat")
         except OSError:
             return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick
 
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():

@@ -282,7 +282,7 @@ class CodecProcesses:
         """CPU time of every worker started so far (user + system), for /metrics."""
         for worker in self._workers:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                self._cpu_seen[worker.proc.pid] = _process_cpu(worker.proc.pid)
+                self._cpu_seen[worker.proc.pid] = stat_cpu_seconds(f"/proc/{worker.proc.pid}/stat")
         return sum(self._cpu_seen.values())
 
     @property
@@ -332,8 +332,10 @@ def reply_error(status: int, body: bytes | memoryview) -> Exception:
     return FormatError(text) if status == FORMAT_ERROR else CodecProcessError(text)
 
 
-def _process_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from a /proc stat file: ``/proc/PID/stat`` for a process,
+    ``/proc/self/task/TID/stat`` for one thread."""
+    with open(stat) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
