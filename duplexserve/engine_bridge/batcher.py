@@ -33,6 +33,16 @@ SLACK_S = 0.010
 CREEP_S = 0.00005
 
 
+def _batch(frames: list[np.ndarray], out: np.ndarray | None) -> np.ndarray:
+    """The step's frames as one (rows x samples) batch: the first rows of ``out`` when the
+    engine offers its input buffer, else a new array. The one copy of each frame."""
+    if out is None:
+        return np.concatenate(frames).reshape(len(frames), -1)
+    batch = out[: len(frames)]
+    np.concatenate(frames, out=batch.reshape(-1))
+    return batch
+
+
 class SlotBatcher:
     def __init__(self, num_slots: int, window: int, frame_s: float) -> None:
         self.window = window
@@ -113,12 +123,7 @@ class SlotBatcher:
             if not len(slots):
                 return slots, slots, np.empty((0, 0), np.float32)
             self.arrived_past_due = float((self._arrived[slots, heads] - due[taken]).max())
-        pending = self._ring[slots, heads].tolist()
-        if out is None:
-            frames = np.concatenate(pending).reshape(len(slots), -1)
-        else:
-            frames = out[: len(slots)]
-            np.concatenate(pending, out=frames.reshape(-1))
+        frames = _batch(self._ring[slots, heads].tolist(), out)
         self._ring[slots, heads] = None
         self._head[slots] = (heads + 1) % self.window
         self._count[slots] -= 1
@@ -209,9 +214,5 @@ class FifoBatcher:
         pending = [fifo[s].popleft() for s in slots]
         self._ready = {s: None for s in slots if fifo[s]}
         self.pending -= len(slots)
-        if out is None:
-            frames = np.concatenate(pending).reshape(len(slots), -1)
-        else:
-            frames = out[: len(slots)]
-            np.concatenate(pending, out=frames.reshape(-1))
-        return np.array(slots, np.int64), np.array([generation[s] for s in slots], np.int64), frames
+        generations = np.array([generation[s] for s in slots], np.int64)
+        return np.array(slots, np.int64), generations, _batch(pending, out)
