@@ -291,18 +291,14 @@ class Orchestrator:
                         touched[id(session)] = session
                 continue
             audio, text = out.audio, out.text
-            if audio is None:  # text whose frame already went out (vLLM-Omni)
-                for row, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
-                    session = by_slot[slot]
-                    if session is not None and session.generation == generation:
-                        session.deliver_text(text[row])
-                        touched[id(session)] = session
-                continue
             for row, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
                 session = by_slot[slot]
                 if session is None or session.generation != generation:
                     continue  # answer to a session that is gone
-                session.deliver(audio[row], text.get(row) if text else None)
+                if audio is None:  # text whose frame already went out (vLLM-Omni)
+                    session.deliver_text(text[row])
+                else:
+                    session.deliver(audio[row], text.get(row) if text else None)
                 touched[id(session)] = session
         if not self._notify_pending:
             self._notify()
