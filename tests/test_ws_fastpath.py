@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 
 import pytest
 import websockets
 
+from tests import raw_ws
 from tests.native_client import signal
 
 FRAME_BYTES = 7680
@@ -72,18 +74,64 @@ def test_invalid_utf8_in_a_text_message_closes_1007(server_factory, ws_impl):
 
 @pytest.mark.parametrize("ws_impl", WS_IMPLS)
 def test_a_frame_over_the_hard_limit_closes_1009(server_factory, ws_impl):
+    """The fast path refuses it from its header, with the protocol's error event; uvicorn's
+    path lets websockets refuse it at its ``max_size``, with the close code alone."""
     server = server_factory("--ws", ws_impl, "--max-message-bytes", "20000")
 
-    async def main() -> int | None:
+    async def main() -> tuple[list[dict], int | None]:
+        events = []
         async with websockets.connect(server.ws(), compression=None) as ws:
             await ws.recv()
             await ws.send(b"\0" * 60000)  # past uvicorn's ws_max_size (2 x 20000 + 1024)
             with pytest.raises(websockets.ConnectionClosed):
                 while True:
-                    await asyncio.wait_for(ws.recv(), 10)
-            return ws.close_code
+                    message = await asyncio.wait_for(ws.recv(), 10)
+                    if isinstance(message, str):
+                        events.append(json.loads(message))
+            return events, ws.close_code
 
-    assert run(main()) == 1009
+    events, code = run(main())
+    assert code == 1009
+    if ws_impl == "fast":
+        assert [e.get("code", e["type"]) for e in events] == ["message_too_big", "session.closed"]
+        assert "60000 bytes" in events[0]["message"]
+
+
+def test_a_client_still_sending_after_a_protocol_error_reads_its_close_code(server_factory):
+    """A fragmented message grows past websockets' limit while the client sends 20 MB more:
+    the server reads on (and drops) until the client has read the close frame, instead of
+    closing a socket with bytes unread, which resets the connection and loses the code."""
+    server = server_factory("--max-message-bytes", "20000")
+    sock, rest = raw_ws.connect(server.port)
+    chunk = b"\0" * 65536
+    sock.sendall(b"".join(raw_ws.frame(2 if i == 0 else 0, chunk, fin=False) for i in range(300)))
+    frames, code = raw_ws.Reader(sock, rest).until_close()
+    sock.close()
+    assert code == 1009
+    assert json.loads(frames[0][1])["type"] == "session.created"
+
+
+def test_pings_from_a_client_that_reads_nothing_do_not_pile_up(server_factory):
+    """20 MB of pings, nothing read: past the transport's high-water mark the server keeps
+    only the latest pong (RFC 6455 5.5.3) instead of buffering all of them; that one comes
+    once the client reads."""
+    server = server_factory()
+    sock, rest = raw_ws.connect(server.port)
+    pings = 150_000
+    pad = b"p" * 121
+    sock.sendall(b"".join(raw_ws.frame(9, struct.pack("!I", i) + pad) for i in range(pings)))
+    reader = raw_ws.Reader(sock, rest)
+    pongs = 0
+    while True:
+        item = reader.next()
+        assert item is not None, "the server closed the connection"
+        opcode, payload = item
+        if opcode == 10:
+            pongs += 1
+            if struct.unpack("!I", payload[:4])[0] == pings - 1:
+                break
+    sock.close()
+    assert pongs < pings // 2, f"{pongs} pongs for {pings} pings: every one was buffered"
 
 
 @pytest.mark.parametrize("ws_impl", WS_IMPLS)

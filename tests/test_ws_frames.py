@@ -20,7 +20,7 @@ from websockets.frames import Opcode
 from websockets.server import ServerProtocol
 from websockets.uri import parse_uri
 
-from duplexserve.server.ws_frames import FIN_BINARY, HANDED, FrameReader, header
+from duplexserve.server.ws_frames import FIN_BINARY, HANDED, FrameReader, Oversized, header
 
 MAX_SIZE = 70_000  # small enough to test both sides of the limit, above 65535
 
@@ -163,6 +163,32 @@ def test_common_frames_take_the_fast_path() -> None:
         items.append(item)
     assert items[:4] == [(audio, False)] * 3 + [(b'{"type":"ping"}', True)]
     assert items[4] is HANDED and conn.events_received()[0].opcode is Opcode.PING
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, 120_000), max_size=10))
+def test_a_frame_over_the_apps_limit_is_refused_from_its_header(cuts: list[int]) -> None:
+    """Its length comes out in its place, its payload is dropped however it is cut up, and
+    the frames after it parse as before; a fragment is the library's to judge."""
+    conn = _open_server()
+    reader = FrameReader(conn, MAX_SIZE)
+    reader.refuse_over = 1000
+    big = bytes(range(256)) * 400  # 102 400 bytes: past the app's limit and the library's
+    data = (frame(0x82, b"a" * 1000) + frame(0x82, big) + frame(0x81, b'{"type":"ping"}')
+            + frame(0x02, b"b" * 2000) + frame(0x80, b"c"))
+    bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    items = []
+    for a, b in itertools.pairwise(bounds):
+        reader.feed(data[a:b])
+        while (item := reader.next()) is not None:
+            items.append(item)
+    refused = [i for i in items if isinstance(i, Oversized)]
+    assert [len(i) for i in refused] == [len(big)]
+    assert items[0] == (b"a" * 1000, False) and items[1] is refused[0]
+    assert items[2] == (b'{"type":"ping"}', True)
+    assert all(i is HANDED for i in items[3:])  # the fragmented message: websockets' own
+    assert [e.data for e in conn.events_received()] == [b"b" * 2000, b"c"]
+    assert reader.buffered == 0
 
 
 def test_written_headers_parse_back_with_websockets() -> None:

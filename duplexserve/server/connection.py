@@ -49,6 +49,7 @@ from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.session import Session, no_notify
 from duplexserve.server.turnaround import FLUSH_FRAMES
+from duplexserve.server.ws_frames import Oversized
 from duplexserve.server.ws_protocol import EXTENSION, FastWebSocketProtocol
 
 log = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ class Connection(ABC):
         self._sock = sock
         self._done, self._gone = self._loop.create_future(), self._loop.create_future()
         session.notify = self._wake_fast
-        sock.start(self._on_message, self._on_lost, self._flush)
+        sock.start(self._on_message, self._on_lost, self._flush, self.config.max_message_bytes)
         self._flush()
         how = await self._done
         if self.replaced:
@@ -402,7 +403,7 @@ class Connection(ABC):
         if waiter is not None and not waiter.done() and not session.input_paused:
             waiter.set_result(None)
 
-    async def _receive_one(self, data: bytes | str) -> None:
+    async def _receive_one(self, data: bytes | str | Oversized) -> None:
         """One received message through the adapter into the session, and onward."""
         session = self.session
         assert session is not None
@@ -499,7 +500,9 @@ class Connection(ABC):
         if gone is not None and not gone.done():
             gone.set_result(None)
 
-    def _on_message(self, data: bytes | str) -> None:
+    def _on_message(self, data: bytes | str | Oversized) -> None:
+        """One message from the fast path. An :class:`Oversized` (a frame refused from its
+        header) takes the general path, whose size check answers it with ``message_too_big``."""
         if self.replaced:
             return
         if self._lane is not None:  # an earlier message still waits: this one goes after it

@@ -12,6 +12,11 @@ frame rules, continuation, UTF-8 of fragmented text, the close handshake) and pr
 its own events and errors. Because the library only ever gets whole frames, its
 parser is at a frame boundary whenever the next frame comes, whichever side parses it.
 
+A data frame over the app's own limit (``refuse_over``) is refused from its header: the
+reader hands out an :class:`Oversized` in its place and drops its payload as it comes,
+so the app answers with its error event and close code (1009) without the frame ever
+being buffered, and the reader stays at a frame boundary for the peer's close reply.
+
 Written frames are a header built here plus the payload as it is (server frames are
 not masked), handed to the transport together so the payload is not copied.
 """
@@ -38,6 +43,19 @@ _LENGTH16 = struct.Struct("!BBH")
 _LENGTH64 = struct.Struct("!BBQ")
 
 
+class Oversized:
+    """Stands in for a message refused from its frame header: only its length is known.
+    ``len()`` gives that length, so the app's size check refuses it like any other."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
 def header(first: int, length: int) -> bytes:
     """The header of an unmasked frame (server to client) with ``length`` bytes of payload."""
     if length < 126:
@@ -53,8 +71,12 @@ class FrameReader:
     def __init__(self, conn: ServerProtocol, max_size: int | None) -> None:
         self.conn = conn
         self.max_size = max_size if max_size is not None else 1 << 63
+        #: Complete data frames longer than this come out as :class:`Oversized` (None: no
+        #: such limit; websockets' ``max_size`` still closes 1009 past ``max_size``).
+        self.refuse_over: int | None = None
         self._buf: bytes = b""
         self._pos = 0
+        self._skip = 0  # bytes of a refused frame still to come, dropped as they arrive
 
     @property
     def buffered(self) -> int:
@@ -62,14 +84,19 @@ class FrameReader:
         return len(self._buf) - self._pos
 
     def feed(self, data: bytes) -> None:
+        if self._skip:
+            drop = min(self._skip, len(data))
+            self._skip -= drop
+            data = data[drop:]
         if self._pos < len(self._buf):  # a partial frame waits: the only copy, of that part
             self._buf = self._buf[self._pos :] + data
         else:
             self._buf = data
         self._pos = 0
 
-    def next(self) -> tuple[bytes, bool] | object | None:
-        """One message ``(payload, is_text)``, :data:`HANDED`, or None until more bytes come."""
+    def next(self) -> tuple[bytes, bool] | Oversized | object | None:
+        """One message ``(payload, is_text)``, an :class:`Oversized`, :data:`HANDED`, or None
+        until more bytes come."""
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
         if avail < 2:
@@ -90,16 +117,25 @@ class FrameReader:
                 return None
             length = int.from_bytes(buf[pos + 2 : pos + 10], "big")
             head = 10
-        if length > self.max_size or not second & 0x80:
-            return self._hand(avail)  # refused from the header: too big (1009), unmasked (1002)
-        end = head + 4 + length
-        if avail < end:
-            return None
-        if (
+        if not second & 0x80:
+            return self._hand(avail)  # refused from the header: unmasked (1002)
+        common = (
             first in (FIN_BINARY, FIN_TEXT)
             and conn.current_size is None  # not inside a fragmented message
             and not conn.extensions
-        ):
+        )
+        refuse_over = self.refuse_over
+        if common and refuse_over is not None and length > refuse_over:
+            drop = min(avail - head, 4 + length)  # the mask and the payload, as far as here
+            self._pos = pos + head + drop
+            self._skip = 4 + length - drop
+            return Oversized(length)
+        if length > self.max_size:
+            return self._hand(avail)  # refused from the header: too big (1009)
+        end = head + 4 + length
+        if avail < end:
+            return None
+        if common:
             start = pos + head + 4
             self._pos = pos + end
             payload = apply_mask(memoryview(buf)[start : pos + end], buf[start - 4 : start])

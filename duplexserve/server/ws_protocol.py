@@ -28,11 +28,14 @@ from typing import Any
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from duplexserve.server.ws_frames import FIN_BINARY, FIN_TEXT, HANDED, FrameReader, header
+from duplexserve.server.ws_frames import FIN_BINARY, FIN_TEXT, HANDED, FrameReader, Oversized, header
 
 EXTENSION = "duplexserve.fast_socket"
 #: Corked frames are written once they reach this many bytes.
 CORK_LIMIT = 1 << 16
+#: After a protocol error, how long the connection stays open (what comes is discarded)
+#: so that a client still sending can read the close frame before the socket closes.
+ERROR_LINGER_S = 2.0
 
 OnMessage = Callable[[Any], None]  # bytes (binary) or str (text)
 
@@ -52,14 +55,22 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         self._parsing = False
         self._corked: list[Any] | None = None  # frames collected for one write
         self._corked_bytes = 0
+        self._pong = b""  # the latest pong, held while the transport is over its mark
 
     # ----------------------------------------------------------------- the app's API
     def start(
-        self, on_message: OnMessage, on_lost: Callable[[], None], on_writable: Callable[[], None]
+        self,
+        on_message: OnMessage,
+        on_lost: Callable[[], None],
+        on_writable: Callable[[], None],
+        max_message: int | None = None,
     ) -> None:
         """Switch this accepted connection to callbacks; messages that arrived before are
-        delivered first, in order."""
+        delivered first, in order. A data frame longer than ``max_message`` bytes comes to
+        ``on_message`` as an :class:`~duplexserve.server.ws_frames.Oversized` (its length
+        only), for the app to refuse with its own error event; its payload is dropped."""
         self._on_message, self._on_lost, self._on_writable = on_message, on_lost, on_writable
+        self.reader.refuse_over = max_message
         lost = False
         while not self.queue.empty():
             event = self.queue.get_nowait()
@@ -169,6 +180,9 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
                         self.handle_parser_exception()
                         return
                     self.handle_events()
+                elif item.__class__ is Oversized:  # only once started: ``start`` sets the limit
+                    if self._on_message is not None and not self.close_sent:
+                        self._on_message(item)
                 elif self._on_message is not None:
                     self._deliver(*item)  # type: ignore[misc]
                 else:  # before start: through uvicorn's queue, like the library's frames
@@ -206,8 +220,40 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         if self.handshake_complete and self.reader.buffered and not self.close_sent:
             self._parse()  # frames that came before the accept
 
+    def handle_parser_exception(self) -> None:
+        """uvicorn's, except that the transport closes :data:`ERROR_LINGER_S` later instead of
+        at once: a socket closed with bytes unread makes the kernel reset the connection, and
+        a client still sending (a fragmented message past the limit, say) would lose the
+        close frame, and with it the code that says what it did wrong. Meanwhile reading goes
+        on and the library, failed, discards every byte; the app learns of the end now."""
+        close = self.conn.close_sent
+        assert close is not None
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": close.code, "reason": close.reason})
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        self.close_timer = self.loop.call_later(ERROR_LINGER_S, self.transport.close)
+        self._held = False
+        if self.read_paused:  # uvicorn's own pause, before ``start``
+            self.read_paused = False
+        self.transport.resume_reading()
+        self.connection_gone()
+
+    def handle_ping(self) -> None:
+        """Answer a ping, but never past the transport's high-water mark: a client that
+        sends pings and reads nothing would otherwise fill the server's memory with pongs
+        (uvicorn writes each one). RFC 6455 (5.5.3) lets an endpoint answer only the latest
+        of the pings it has not answered yet; that one goes out when the buffer drains."""
+        pong = b"".join(self.conn.data_to_send())
+        if self.writable.is_set():
+            self.transport.write(pong)
+        else:
+            self._pong = pong
+
     def resume_writing(self) -> None:
         super().resume_writing()
+        pong, self._pong = self._pong, b""
+        if pong and not self.transport.is_closing():
+            self.transport.write(pong)
         self._on_writable()
 
     def connection_lost(self, exc: Exception | None) -> None:

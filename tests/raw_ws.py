@@ -1,0 +1,80 @@
+"""A WebSocket client on a bare socket, for what real clients will not do: send without
+reading, send frames the library would refuse to build, keep sending after an error."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import struct
+
+import numpy as np
+
+
+def connect(port: int, path: str = "/v1/duplex") -> tuple[socket.socket, bytes]:
+    """Open and upgrade; returns the socket and any bytes that came after the 101."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    assert b" 101 " in head.split(b"\r\n")[0], head
+    return sock, rest
+
+
+def frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    """One masked client frame."""
+    first = (0x80 if fin else 0) | opcode
+    n = len(payload)
+    if n < 126:
+        head = struct.pack("!BB", first, 0x80 | n)
+    elif n < 65536:
+        head = struct.pack("!BBH", first, 0x80 | 126, n)
+    else:
+        head = struct.pack("!BBQ", first, 0x80 | 127, n)
+    key = os.urandom(4)
+    mask = np.frombuffer(key * (n // 4 + 1), dtype=np.uint8)[:n]
+    return head + key + (np.frombuffer(payload, dtype=np.uint8) ^ mask).tobytes()
+
+
+class Reader:
+    """Server frames from the socket, one at a time: ``(opcode, payload)``."""
+
+    def __init__(self, sock: socket.socket, rest: bytes = b"") -> None:
+        self.sock, self.buf = sock, rest
+
+    def next(self) -> tuple[int, bytes] | None:
+        """The next frame, or None once the server closed the TCP connection."""
+        while True:
+            buf = self.buf
+            if len(buf) >= 2:
+                n, pos = buf[1] & 0x7F, 2
+                if n == 126 and len(buf) >= 4:
+                    n, pos = struct.unpack("!H", buf[2:4])[0], 4
+                elif n == 127 and len(buf) >= 10:
+                    n, pos = struct.unpack("!Q", buf[2:10])[0], 10
+                if (n < 126 or pos > 2) and len(buf) >= pos + n:  # a whole frame is here
+                    self.buf = buf[pos + n :]
+                    return buf[0] & 0x0F, buf[pos : pos + n]
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+
+    def until_close(self) -> tuple[list[tuple[int, bytes]], int | None]:
+        """Every frame up to the close frame, and the close code (None: no close frame)."""
+        frames = []
+        while (item := self.next()) is not None:
+            opcode, payload = item
+            if opcode == 8:
+                return frames, struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+            frames.append(item)
+        return frames, None
