@@ -211,6 +211,31 @@ def test_a_handshake_that_never_completes_is_dropped(server_factory):
     assert run(echo_ok(server.ws()))
 
 
+def test_a_request_head_past_the_limit_gets_431(server_factory):
+    """A header that never ends: answered 431 once the head passes MAX_HEAD_BYTES, long
+    before the handshake timeout; requests with ordinary heads, kept alive, go on."""
+    server = server_factory()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /v1/duplex HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        answer = b""
+        with contextlib.suppress(ConnectionError):
+            for _ in range(64):  # 4 MiB at most: the answer comes after the first 64 KiB
+                s.sendall(b"a" * (64 << 10))
+                s.settimeout(0.05)
+                with contextlib.suppress(TimeoutError):
+                    answer += s.recv(200)
+                if answer:
+                    break
+        s.settimeout(10)
+        with contextlib.suppress(ConnectionError):
+            answer += s.recv(200)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    with httpx.Client() as client:  # one kept-alive connection, heads under the limit
+        for _ in range(3):
+            assert client.get(server.http + "/health", headers={"x-pad": "p" * 30_000}).status_code == 200
+    assert run(echo_ok(server.ws()))
+
+
 # ------------------------------------------------------------------------------- drain
 def test_sigterm_drains_finishes_sessions_then_exits(server_factory):
     server = server_factory("--drain-grace-s", "20")

@@ -40,16 +40,46 @@ class RedactSecrets(logging.Filter):
         return True
 
 
+#: The most bytes a request may send before its headers are complete (the request line
+#: and headers: an upgrade with its token and cookies needs a few KiB). httptools keeps a
+#: header it has not seen the end of, so without a bound one connection could grow the
+#: server by the megabytes it sends until the handshake timeout.
+MAX_HEAD_BYTES = 64 << 10
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
 def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
-    """An HTTP protocol that drops connections whose request headers do not arrive in time."""
+    """An HTTP protocol that drops connections whose request headers do not arrive in time
+    and answers 431 to a request whose head grows past :data:`MAX_HEAD_BYTES`."""
 
     class Protocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
             super().connection_made(transport)
             self._handshake_timer = self.loop.call_later(timeout_s, self._handshake_expired)
+            self._head_bytes: int | None = 0  # None: between a head's end and the next request
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_bytes is not None:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._head_bytes = None
+                    self._handshake_timer.cancel()
+                    if not self.transport.is_closing():
+                        self.transport.write(_HEAD_TOO_LARGE)
+                        self.transport.close()
+                    return
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            if self._head_bytes is None:  # the next request on a kept-alive connection
+                self._head_bytes = 0
+            super().on_message_begin()
 
         def on_headers_complete(self) -> None:
             self._handshake_timer.cancel()
+            self._head_bytes = None
             super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
