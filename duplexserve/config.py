@@ -86,6 +86,14 @@ class ServerConfig:
         " batch, not exact: docs/moshi-engine.md)",
         ("float32", "tf32"),
     )
+    moshi_mimi_graph: str = _opt(
+        "parts",
+        "moshi engine: Mimi's CUDA graphs as the library captures them (parts: encoder, decoder and"
+        " transformers; the frame-rate convolutions and the quantizer launched op by op from the"
+        " host) or Mimi's encode and decode each one graph (whole: the same kernels, fewer host"
+        " launches a step; docs/moshi-engine.md)",
+        ("parts", "whole"),
+    )
     moshi_depformer: str = _opt(
         "lean",
         "moshi engine: the depformer's attention over the live slots of its ring without a mask (lean:"

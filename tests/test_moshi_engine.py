@@ -196,6 +196,21 @@ def test_the_moshi_engine_on_a_gpu_runs_in_its_own_process_unless_told_not_to():
     assert config("--engine-process").engine_in_process
 
 
+def test_mimi_graph_reaches_the_engine_and_a_bad_value_is_refused():
+    import argparse
+
+    from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
+
+    parser = argparse.ArgumentParser()
+    ServerConfig.add_arguments(parser)
+    flags = ["--engine", "moshi", "--moshi-mimi-graph", "whole"]
+    config = ServerConfig.from_namespace(parser.parse_args(flags))
+    assert moshi_engine_from_config(config).mimi_graph == "whole"
+    assert MoshiEngine(1).mimi_graph == "parts"
+    with pytest.raises(ValueError, match="parts or whole"):
+        MoshiEngine(1, mimi_graph="all")
+
+
 def test_fp32_matmul_reaches_the_engine_and_sets_torchs_precision():
     import argparse
 

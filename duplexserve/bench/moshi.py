@@ -338,7 +338,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             *(["--moshi-context", str(args.context)] if args.context else []),
             "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
             "--moshi-depformer", args.depformer, "--moshi-mimi-attention", args.mimi_attention,
-            "--moshi-fp32-matmul", args.fp32_matmul,
+            "--moshi-fp32-matmul", args.fp32_matmul, "--moshi-mimi-graph", args.mimi_graph,
         ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -408,6 +408,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "depformer": args.depformer,
         "mimi_attention": args.mimi_attention,
         "fp32_matmul": args.fp32_matmul,
+        "mimi_graph": args.mimi_graph,
         "tick_ms": args.tick_ms,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
@@ -504,6 +505,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--depformer", default="lean", choices=("stock", "lean"))
     r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
     r.add_argument("--fp32-matmul", default="float32", choices=("float32", "tf32"))
+    r.add_argument("--mimi-graph", default="parts", choices=("parts", "whole"))
     r.add_argument(
         "--tick-ms",
         type=float,

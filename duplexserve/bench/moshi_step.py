@@ -153,18 +153,20 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [DEFAULT_INT8]
     builds = [
-        (a, d, m, f, k)
+        (a, d, m, f, g, k)
         for a in args.attention.split(",")
         for d in args.depformer.split(",")
         for m in args.mimi_attention.split(",")
         for f in args.fp32_matmul.split(",")
+        for g in args.mimi_graph.split(",")
         for k in kernels
     ]
-    for attention, depformer, mimi_attention, fp32_matmul, kernel in builds:
+    for attention, depformer, mimi_attention, fp32_matmul, mimi_graph, kernel in builds:
         live_attention.DEFAULT_INT8 = kernel  # read when the CUDA graphs are captured
         engine = MoshiEngine(
             batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
             depformer=depformer, mimi_attention=mimi_attention, fp32_matmul=fp32_matmul,
+            mimi_graph=mimi_graph,
         )  # fmt: skip
         engine.start()
         for b in batches:
@@ -177,6 +179,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "depformer_attention": depformer,
                     "mimi_attention": mimi_attention,
                     "fp32_matmul": fp32_matmul,
+                    "mimi_graph": mimi_graph,
                     "int8_kernel": str(kernel),
                     **breakdown(engine, b, age, args.steps),
                 }
@@ -187,12 +190,12 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"{'lm/dep/mimi/mm':>11} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
+    print(f"{'lm/dep/mimi/mm/gr':>14} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
           f"{'dec':>5} {'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
-    kinds = ("attention", "depformer_attention", "mimi_attention", "fp32_matmul")
+    kinds = ("attention", "depformer_attention", "mimi_attention", "fp32_matmul", "mimi_graph")
     for r in rows:
         print(
-            f"{'/'.join(r[k][:2] for k in kinds):>11} "
+            f"{'/'.join(r[k][:2] for k in kinds):>14} "
             f"{r['batch']:>4} {r['age']:>5} "
             f"{r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
@@ -422,7 +425,7 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine = MoshiEngine(
             8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype,
             depformer=rest[0] if rest else "stock", mimi_attention=rest[1] if rest[1:] else "stock",
-            fp32_matmul=rest[2] if rest[2:] else "float32",
+            fp32_matmul=rest[2] if rest[2:] else "float32", mimi_graph=rest[3] if rest[3:] else "parts",
         )  # fmt: skip
         engine.start()
         if saved is None:
@@ -531,12 +534,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--kv-dtype", default="bf16", help="breakdown: bf16 or int8")
         p.add_argument(
             "--variants", default="live/bf16,live/int8,stock/bf16",
-            help="agreement: attention/kv dtype[/depformer[/mimi attention[/fp32 matmul]]],... (the first is"
+            help="agreement: attention/kv dtype[/depformer[/mimi attention[/fp32 matmul[/mimi graph]]]],..."
+            " (the first is"
             " the base; Kyutai's batch-1 loop runs after the last, with its fp32 matmul)",
         )  # fmt: skip
         p.add_argument("--depformer", default="lean", help="breakdown: lean,stock (each its own engine)")
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
+        p.add_argument("--mimi-graph", default="parts", help="breakdown: parts,whole (one engine each)")
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")

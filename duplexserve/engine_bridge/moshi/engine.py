@@ -71,6 +71,7 @@ class MoshiEngine(Engine):
         depformer: str = "lean",
         mimi_attention: str = "live",
         fp32_matmul: str = "float32",
+        mimi_graph: str = "parts",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
@@ -94,6 +95,9 @@ class MoshiEngine(Engine):
         if fp32_matmul not in ("float32", "tf32"):
             raise ValueError(f"--moshi-fp32-matmul {fp32_matmul!r}: float32 or tf32")
         self.fp32_matmul = fp32_matmul
+        if mimi_graph not in ("parts", "whole"):
+            raise ValueError(f"--moshi-mimi-graph {mimi_graph!r}: parts or whole")
+        self.mimi_graph = mimi_graph
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
         lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
@@ -227,6 +231,16 @@ class MoshiEngine(Engine):
             self.mimi.streaming_forever(b)
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
+        self._mimi_encode, self._mimi_decode = self.mimi.encode, self.mimi.decode
+        if self.mimi_graph == "whole" and self.cuda_graphs and self.device.type == "cuda":
+            # The library graphs Mimi's encoder, decoder and transformers and launches the
+            # rest one kernel at a time from the host: the frame-rate convolutions and the
+            # quantizer's 2 x codebooks small ops. One graph each for encode and decode
+            # (the library's graphs run inline when captured inside another).
+            from moshi.utils.compile import CUDAGraphed
+
+            self._mimi_encode = CUDAGraphed(self.mimi.encode)
+            self._mimi_decode = CUDAGraphed(self.mimi.decode)
         self._warm_up()
 
     def _share_exec_mask(self, b: int) -> None:
@@ -267,6 +281,7 @@ class MoshiEngine(Engine):
 
         for module in (self.mimi, self.lm_gen, self.lm_gen.lm_model):
             module._stop_streaming()
+        self._mimi_encode = self._mimi_decode = None  # type: ignore[assignment]
         gc.collect()  # the old states and their CUDA graphs hold memory until collected
         if self.device.type == "cuda":
             self._torch.cuda.empty_cache()
@@ -306,7 +321,7 @@ class MoshiEngine(Engine):
             if self._in_dev is not self._in_host:
                 self._in_dev.copy_(self._in_host, non_blocking=True)
             self._mask_dev.copy_(self._exec_host, non_blocking=True)
-            codes = self.mimi.encode(self._in_dev)
+            codes = self._mimi_encode(self._in_dev)
             tokens = self.lm_gen.step(codes)
             assert tokens is not None  # support_out_of_sync: never None
             steps = self._steps[slots] + 1
@@ -317,7 +332,7 @@ class MoshiEngine(Engine):
             decode[slots[ready]] = True
             if ready.any():
                 self._mask_dev.copy_(self._decode_host, non_blocking=True)
-                pcm = self.mimi.decode(tokens[:, 1:].clamp(min=0))
+                pcm = self._mimi_decode(tokens[:, 1:].clamp(min=0))
                 self._out_host.copy_(pcm[:, 0], non_blocking=True)
             self._text_host.copy_(tokens[:, 0, 0], non_blocking=True)
             queued = time.perf_counter()  # the host's part: everything is queued on the GPU
@@ -352,6 +367,7 @@ class MoshiEngine(Engine):
                 1000 * self.timings["step_s"] / self.timings["steps"],
             )
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
+        self._mimi_encode = self._mimi_decode = None  # type: ignore[assignment]
         torch = getattr(self, "_torch", None)
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -406,4 +422,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         depformer=config.moshi_depformer,
         mimi_attention=config.moshi_mimi_attention,
         fp32_matmul=config.moshi_fp32_matmul,
+        mimi_graph=config.moshi_mimi_graph,
     )
