@@ -90,8 +90,8 @@ class ServerConfig:
         "parts",
         "moshi engine: Mimi's CUDA graphs as the library captures them (parts: encoder, decoder and"
         " transformers; the frame-rate convolutions and the quantizer launched op by op from the"
-        " host) or Mimi's encode and decode each one graph (whole: the same kernels, fewer host"
-        " launches a step; docs/moshi-engine.md)",
+        " host) or decode and the quantizer's encode each one graph more (whole: the same kernels,"
+        " fewer host launches a step; docs/moshi-engine.md)",
         ("parts", "whole"),
     )
     moshi_depformer: str = _opt(

@@ -462,26 +462,30 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Every slot through the engine's streaming Mimi (its CUDA graphs): the codes of
-    ``audio`` (slots x samples), then the audio decoded from ``codes`` (or from its own)."""
+    """Every slot through the engine's streaming Mimi (its CUDA graphs, as the engine calls
+    them): the codes of ``audio`` (slots x samples), then the audio decoded from ``codes``
+    (or from its own)."""
     import torch
 
     mimi, device = engine.mimi, engine.device
+    encode, decode = engine._mimi_encode, engine._mimi_decode  # a whole graph's output is reused: clone
     b, frames = audio.shape[0], audio.shape[1] // FRAME
     every = torch.ones(b, dtype=torch.bool, device=device)
     with torch.no_grad():
         engine._mask_dev.fill_(True)
         mimi.reset_streaming(every)
         x = torch.from_numpy(audio).to(device)[:, None, :]
-        got = torch.cat([mimi.encode(x[..., t * FRAME : (t + 1) * FRAME]) for t in range(frames)], dim=-1)
+        frame_of = [x[..., t * FRAME : (t + 1) * FRAME].contiguous() for t in range(frames)]
+        got = torch.cat([encode(f).clone() for f in frame_of], dim=-1)
         feed = got if codes is None else torch.from_numpy(codes).to(device)
         mimi.reset_streaming(every)
-        pcm = torch.cat([mimi.decode(feed[..., t : t + 1]) for t in range(frames)], dim=-1)
+        pcm = torch.cat([decode(feed[..., t : t + 1].contiguous()).clone() for t in range(frames)], dim=-1)
     return got.cpu().numpy(), pcm[:, 0].float().cpu().numpy()
 
 
 def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Mimi's float32 matmuls as TF32 against float32, on the first build's weights."""
+    """Mimi alone, builds (fp32 matmul/graph) against the first, on the first build's weights:
+    TF32 against float32, or Mimi as whole CUDA graphs against the library's graphs."""
     import torch
 
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine
@@ -493,34 +497,42 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     runs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     saved: tuple[dict, dict] | None = None
-    for precision in ("float32", "tf32"):
+    builds = args.mimi_builds.split(",")
+    for build in builds:
+        precision, graph = build.split("/")
         engine = MoshiEngine(
-            slots, args.preset, attention="live", mimi_attention=args.mimi_attention, fp32_matmul=precision
-        )
+            slots, args.preset, attention="live", mimi_attention=args.mimi_attention, fp32_matmul=precision,
+            mimi_graph=graph,
+        )  # fmt: skip
         engine.start()
         if saved is None:
             saved = _weights(engine)
         else:
             _load_weights(engine, saved)
-        reference = runs.get("float32")
-        runs[precision] = _mimi_pass(engine, audio, reference[0] if reference else None)
+        reference = runs.get(builds[0])
+        runs[build] = _mimi_pass(engine, audio, reference[0] if reference else None)
         engine.stop()
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    (codes, pcm), (codes_tf32, pcm_tf32) = runs["float32"], runs["tf32"]
-    snrs, varying = _snrs(list(pcm_tf32), list(pcm))
-    row = {
-        "preset": args.preset, "frames": args.frames, "sessions": slots,
-        "mimi_attention": args.mimi_attention,
-        "identical_codes": float((codes == codes_tf32).mean()),
-        "identical_codes_first_codebook": float((codes[:, 0] == codes_tf32[:, 0]).mean()),
-        "identical_codes_by_codebook": [round(float(v), 4) for v in (codes == codes_tf32).mean(axis=(0, 2))],
-        "decode_snr_db": [round(v, 1) for v in snrs],
-        "decode_snr_varying_db": [round(v, 1) for v in varying],
-    }  # fmt: skip
-    print(json.dumps(row), flush=True)
-    return [row]
+    rows = []
+    codes, pcm = runs[builds[0]]
+    for build in builds[1:]:
+        other_codes, other_pcm = runs[build]
+        snrs, varying = _snrs(list(other_pcm), list(pcm))
+        row = {
+            "preset": args.preset, "frames": args.frames, "sessions": slots,
+            "mimi_attention": args.mimi_attention, "pair": f"{build} vs {builds[0]}",
+            "identical_codes": float((codes == other_codes).mean()),
+            "identical_codes_first_codebook": float((codes[:, 0] == other_codes[:, 0]).mean()),
+            "identical_codes_by_codebook": [round(float(v), 4) for v in (codes == other_codes).mean((0, 2))],
+            "identical_audio_samples": float((pcm == other_pcm).mean()),
+            "decode_snr_db": [round(v, 1) for v in snrs],
+            "decode_snr_varying_db": [round(v, 1) for v in varying],
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -542,6 +554,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
         p.add_argument("--mimi-graph", default="parts", help="breakdown: parts,whole (one engine each)")
+        p.add_argument(
+            "--mimi-builds", default="float32/parts,tf32/parts",
+            help="mimi: fp32 matmul/graph,... (each against the first)",
+        )  # fmt: skip
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")

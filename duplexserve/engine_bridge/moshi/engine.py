@@ -233,15 +233,25 @@ class MoshiEngine(Engine):
         self._share_exec_mask(b)
         self._mimi_encode, self._mimi_decode = self.mimi.encode, self.mimi.decode
         if self.mimi_graph == "whole" and self.cuda_graphs and self.device.type == "cuda":
-            # The library graphs Mimi's encoder, decoder and transformers and launches the
-            # rest one kernel at a time from the host: the frame-rate convolutions and the
-            # quantizer's 2 x codebooks small ops. One graph each for encode and decode
-            # (the library's graphs run inline when captured inside another).
-            from moshi.utils.compile import CUDAGraphed
-
-            self._mimi_encode = CUDAGraphed(self.mimi.encode)
-            self._mimi_decode = CUDAGraphed(self.mimi.decode)
+            self._graph_mimi()
         self._warm_up()
+
+    def _graph_mimi(self) -> None:
+        """``--moshi-mimi-graph whole``: fewer kernels launched one by one from the host.
+
+        The library graphs Mimi's encoder, decoder and transformers and launches the rest
+        from the host, a kernel at a time: the frame-rate convolutions and the quantizer's
+        few small ops per codebook. Here decode is one graph (the library's graphs run
+        inline when captured inside another), and so is the quantizer's encode. The
+        downsampling convolution before it stays out: it pads by replicating its first
+        sample and keeps its "first frame" flag by assigning a new tensor each call, which a
+        graph would never see again (captured, it gave other codes in 9 of 10 frames).
+        """
+        from moshi.utils.compile import CUDAGraphed
+
+        latent, quantize = self.mimi._encode_to_unquantized_latent, CUDAGraphed(self.mimi.quantizer.encode)
+        self._mimi_encode = lambda x: quantize(latent(x))
+        self._mimi_decode = CUDAGraphed(self.mimi.decode)
 
     def _share_exec_mask(self, b: int) -> None:
         """Make every streaming state of Mimi and the LM read one device mask.
