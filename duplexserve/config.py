@@ -87,11 +87,11 @@ class ServerConfig:
         ("float32", "tf32"),
     )
     moshi_mimi_graph: str = _opt(
-        "parts",
+        "whole",
         "moshi engine: Mimi's CUDA graphs as the library captures them (parts: encoder, decoder and"
         " transformers; the frame-rate convolutions and the quantizer launched op by op from the"
         " host) or decode and the quantizer's encode each one graph more (whole: the same kernels,"
-        " fewer host launches a step; docs/moshi-engine.md)",
+        " fewer host launches a step, outputs bit for bit the same; docs/moshi-engine.md)",
         ("parts", "whole"),
     )
     moshi_depformer: str = _opt(

@@ -3,13 +3,13 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
-#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiwhole][-ctxC][-tickT]
+#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-ctxC][-tickT]
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
 #                           stock attention (--moshi-depformer stock), Mimi's stock
 #                           attention (--moshi-mimi-attention stock), Mimi's float32
-#                           matmuls as TF32 (--moshi-fp32-matmul tf32), Mimi's encode and
-#                           decode each one CUDA graph (--moshi-mimi-graph whole), LM context C,
+#                           matmuls as TF32 (--moshi-fp32-matmul tf32), Mimi's CUDA graphs as
+#                           the library has them (--moshi-mimi-graph parts), LM context C,
 #                           the engine's step clock T ms (default 0: step at once; 80: one frame)
 #   breakdown | attention | agreement | mimi
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
@@ -48,7 +48,7 @@ for phase in "$@"; do
         [ "$extra" = depstock ] && flags+=(--depformer stock)
         [ "$extra" = mimistock ] && flags+=(--mimi-attention stock)
         [ "$extra" = tf32 ] && flags+=(--fp32-matmul tf32)
-        [ "$extra" = mimiwhole ] && flags+=(--mimi-graph whole)
+        [ "$extra" = mimiparts ] && flags+=(--mimi-graph parts)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
         [[ "$extra" == tick* ]] && flags+=(--tick-ms "${extra#tick}")
       done

@@ -203,10 +203,10 @@ def test_mimi_graph_reaches_the_engine_and_a_bad_value_is_refused():
 
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser)
-    flags = ["--engine", "moshi", "--moshi-mimi-graph", "whole"]
+    flags = ["--engine", "moshi", "--moshi-mimi-graph", "parts"]
     config = ServerConfig.from_namespace(parser.parse_args(flags))
-    assert moshi_engine_from_config(config).mimi_graph == "whole"
-    assert MoshiEngine(1).mimi_graph == "parts"
+    assert moshi_engine_from_config(config).mimi_graph == "parts"
+    assert MoshiEngine(1).mimi_graph == "whole"
     with pytest.raises(ValueError, match="parts or whole"):
         MoshiEngine(1, mimi_graph="all")
 

@@ -425,7 +425,7 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine = MoshiEngine(
             8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype,
             depformer=rest[0] if rest else "stock", mimi_attention=rest[1] if rest[1:] else "stock",
-            fp32_matmul=rest[2] if rest[2:] else "float32", mimi_graph=rest[3] if rest[3:] else "parts",
+            fp32_matmul=rest[2] if rest[2:] else "float32", mimi_graph=rest[3] if rest[3:] else "whole",
         )  # fmt: skip
         engine.start()
         if saved is None:
@@ -553,9 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--depformer", default="lean", help="breakdown: lean,stock (each its own engine)")
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
-        p.add_argument("--mimi-graph", default="parts", help="breakdown: parts,whole (one engine each)")
+        p.add_argument("--mimi-graph", default="whole", help="breakdown: parts,whole (one engine each)")
         p.add_argument(
-            "--mimi-builds", default="float32/parts,tf32/parts",
+            "--mimi-builds", default="float32/whole,tf32/whole",
             help="mimi: fp32 matmul/graph,... (each against the first)",
         )  # fmt: skip
         p.add_argument("--context", type=int, default=0)

@@ -71,7 +71,7 @@ class MoshiEngine(Engine):
         depformer: str = "lean",
         mimi_attention: str = "live",
         fp32_matmul: str = "float32",
-        mimi_graph: str = "parts",
+        mimi_graph: str = "whole",
     ) -> None:
         super().__init__(num_slots)
         self.preset = get_preset(preset) if not weights else None
