@@ -352,6 +352,43 @@ def test_bad_input_gets_error_events_and_costs_only_its_session(rt_server):
     assert audio_of(responses(other)[0]) == tone(2, seed=7) + silence(SILENCE_FRAMES)
 
 
+def test_a_commit_needs_100_ms_of_audio_since_the_last_commit_or_clear(rt_server):
+    """As OpenAI's server: less is refused with ``input_audio_buffer_commit_empty`` and the
+    session goes on; a refused commit does not clear what was appended."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    commit = json.dumps({"type": "input_audio_buffer.commit", "event_id": "c1"})
+
+    async def go() -> list[dict[str, Any]]:
+        async with websockets.connect(rt_server.ws("/v1/realtime"), additional_headers=headers) as ws:
+            await raw_events(ws, 1)
+            for msg in (
+                commit,  # nothing appended
+                append(bytes(1200 * 2)),  # 50 ms
+                commit,
+                append(bytes(1440 * 2)),  # 60 ms more: 110 ms since the last commit
+                commit,
+                commit,  # nothing since
+                append(bytes(4800 * 2)),
+                json.dumps({"type": "input_audio_buffer.clear"}),
+                commit,
+            ):
+                await ws.send(msg)
+            return await raw_events(ws, 6)
+
+    events = run(go())
+    assert [e["error"]["code"] if e["type"] == "error" else e["type"] for e in events] == [
+        "input_audio_buffer_commit_empty",
+        "input_audio_buffer_commit_empty",
+        "input_audio_buffer.committed",
+        "input_audio_buffer_commit_empty",
+        "input_audio_buffer.cleared",
+        "input_audio_buffer_commit_empty",
+    ]
+    assert events[0]["error"]["event_id"] == "c1"
+    assert "has 0.00ms" in events[0]["error"]["message"] and "has 50.00ms" in events[1]["error"]["message"]
+    assert events[2]["item_id"].startswith("item_")
+
+
 def test_g711_beta_and_ga_formats_in_one_update(rt_server):
     """Beta flat ``input_audio_format`` and GA nested output format; 8 kHz both ways."""
     t = np.arange(18 * 640) / 8000

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from duplexserve import errors
-from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, FormatError
+from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, MODEL_RATE, FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
 from duplexserve.server import auth
 from duplexserve.server import realtime_events as ev
@@ -47,6 +47,7 @@ _TURN_DETECTION_KEYS = {
     "idle_timeout_ms",
     "eagerness",
 }
+_COMMIT_MIN_MS = 100  # OpenAI's: less since the last commit or clear is refused
 _UNSUPPORTED = (
     "conversation.item.create",
     "conversation.item.delete",
@@ -84,6 +85,7 @@ class RealtimeConnection(Connection):
         rms = 10.0 ** (self.config.realtime_speech_dbfs / 20.0)
         self._energy_floor = rms * rms * FRAME_SAMPLES  # compared with sum(x^2): no sqrt per frame
         self._silence_frames = max(1, math.ceil(self.config.realtime_silence_ms / FRAME_MS))
+        self._uncommitted = 0  # model-rate samples appended since the last commit or clear
 
     # --------------------------------------------------------------- handshake
     async def accept(self, subprotocol: str | None = None) -> None:
@@ -163,14 +165,9 @@ class RealtimeConnection(Connection):
             elif kind == "conversation.item.truncate":
                 self._truncate(event, client_event_id)
             elif kind == "input_audio_buffer.commit":
-                self._reply(
-                    {
-                        "type": "input_audio_buffer.committed",
-                        "item_id": self._new_id("item"),
-                        "previous_item_id": None,
-                    }
-                )
+                self._commit()
             elif kind == "input_audio_buffer.clear":
+                self._uncommitted = 0
                 self._reply({"type": "input_audio_buffer.cleared"})
             elif kind in _UNSUPPORTED:
                 raise ClientEventError("unsupported_event", f"{kind} is not supported by this server")
@@ -191,7 +188,22 @@ class RealtimeConnection(Connection):
             samples = await self.decode(data)
         except FormatError as exc:
             raise ClientEventError("invalid_audio", str(exc), "audio") from None
+        self._uncommitted += len(samples)
         await self.feed(samples)
+
+    def _commit(self) -> None:
+        """As OpenAI's server: a commit needs 100 ms of audio appended since the last commit
+        or clear (``input_audio_buffer_commit_empty`` otherwise, the session goes on)."""
+        heard_ms = 1000 * self._uncommitted / MODEL_RATE
+        if heard_ms < _COMMIT_MIN_MS:
+            raise ClientEventError(
+                "input_audio_buffer_commit_empty",
+                f"Error committing input audio buffer: buffer too small. Expected at least "
+                f"{_COMMIT_MIN_MS}ms of audio, but buffer only has {heard_ms:.2f}ms of audio.",
+            )
+        self._uncommitted = 0
+        item = self._new_id("item")
+        self._reply({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": None})
 
     def _update(self, event: dict[str, Any], client_event_id: str | None) -> None:
         """GA nested ``audio.input.format`` and beta flat fields, validated before any change."""
