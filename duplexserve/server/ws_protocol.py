@@ -56,6 +56,7 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         self._corked: list[Any] | None = None  # frames collected for one write
         self._corked_bytes = 0
         self._pong = b""  # the latest pong, held while the transport is over its mark
+        self._failed = False  # a protocol error was answered: closing after ERROR_LINGER_S
 
     # ----------------------------------------------------------------- the app's API
     def start(
@@ -226,6 +227,9 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         a client still sending (a fragmented message past the limit, say) would lose the
         close frame, and with it the code that says what it did wrong. Meanwhile reading goes
         on and the library, failed, discards every byte; the app learns of the end now."""
+        if self._failed:  # bytes after the error: the library dropped them, the timer runs
+            return
+        self._failed = True
         close = self.conn.close_sent
         assert close is not None
         self.queue.put_nowait({"type": "websocket.disconnect", "code": close.code, "reason": close.reason})
