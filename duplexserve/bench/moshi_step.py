@@ -547,8 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--variants", default="live/bf16,live/int8,stock/bf16",
             help="agreement: attention/kv dtype[/depformer[/mimi attention[/fp32 matmul[/mimi graph]]]],..."
-            " (the first is"
-            " the base; Kyutai's batch-1 loop runs after the last, with its fp32 matmul)",
+            " (the first is the base; Kyutai's batch-1 loop runs after the last, with its fp32 matmul)",
         )  # fmt: skip
         p.add_argument("--depformer", default="lean", help="breakdown: lean,stock (each its own engine)")
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
