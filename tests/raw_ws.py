@@ -30,18 +30,21 @@ def connect(port: int, path: str = "/v1/duplex") -> tuple[socket.socket, bytes]:
     return sock, rest
 
 
-def frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
-    """One masked client frame."""
-    first = (0x80 if fin else 0) | opcode
-    n = len(payload)
+def frame(first: int, payload: bytes, masked: bool = True, length: int | None = None) -> bytes:
+    """A client frame built by hand, so that it can also be wrong: ``first`` is its first
+    byte (FIN, reserved bits, opcode), ``length`` the length its header claims."""
+    n = len(payload) if length is None else length
+    bit = 0x80 if masked else 0
     if n < 126:
-        head = struct.pack("!BB", first, 0x80 | n)
+        head = struct.pack("!BB", first, bit | n)
     elif n < 65536:
-        head = struct.pack("!BBH", first, 0x80 | 126, n)
+        head = struct.pack("!BBH", first, bit | 126, n)
     else:
-        head = struct.pack("!BBQ", first, 0x80 | 127, n)
+        head = struct.pack("!BBQ", first, bit | 127, n)
+    if not masked:
+        return head + payload
     key = os.urandom(4)
-    mask = np.frombuffer(key * (n // 4 + 1), dtype=np.uint8)[:n]
+    mask = np.frombuffer(key * (len(payload) // 4 + 1), dtype=np.uint8)[: len(payload)]
     return head + key + (np.frombuffer(payload, dtype=np.uint8) ^ mask).tobytes()
 
 

@@ -104,7 +104,7 @@ def test_a_client_still_sending_after_a_protocol_error_reads_its_close_code(serv
     server = server_factory("--max-message-bytes", "20000")
     sock, rest = raw_ws.connect(server.port)
     chunk = b"\0" * 65536
-    sock.sendall(b"".join(raw_ws.frame(2 if i == 0 else 0, chunk, fin=False) for i in range(48)))
+    sock.sendall(b"".join(raw_ws.frame(0x02 if i == 0 else 0x00, chunk) for i in range(48)))
     frames, code = raw_ws.Reader(sock, rest).until_close()
     sock.close()
     assert code == 1009
@@ -119,7 +119,7 @@ def test_pings_from_a_client_that_reads_nothing_do_not_pile_up(server_factory):
     sock, rest = raw_ws.connect(server.port)
     pings = 150_000
     pad = b"p" * 121
-    sock.sendall(b"".join(raw_ws.frame(9, struct.pack("!I", i) + pad) for i in range(pings)))
+    sock.sendall(b"".join(raw_ws.frame(0x89, struct.pack("!I", i) + pad) for i in range(pings)))
     reader = raw_ws.Reader(sock, rest)
     pongs = 0
     while True:

@@ -10,7 +10,6 @@ library enforces still holds on the fast path.
 from __future__ import annotations
 
 import itertools
-import os
 import struct
 
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +20,7 @@ from websockets.server import ServerProtocol
 from websockets.uri import parse_uri
 
 from duplexserve.server.ws_frames import FIN_BINARY, HANDED, FrameReader, Oversized, header
+from tests.raw_ws import frame
 
 MAX_SIZE = 70_000  # small enough to test both sides of the limit, above 65535
 
@@ -34,21 +34,6 @@ def _open_server() -> ServerProtocol:
     server.send_response(server.accept(request))
     server.data_to_send()
     return server
-
-
-def frame(first: int, payload: bytes, masked: bool = True, length: int | None = None) -> bytes:
-    """A client frame, built by hand so that it can also be wrong."""
-    n = len(payload) if length is None else length
-    if n < 126:
-        head = bytes((first, (0x80 if masked else 0) | n))
-    elif n < 65536:
-        head = struct.pack("!BBH", first, (0x80 if masked else 0) | 126, n)
-    else:
-        head = struct.pack("!BBQ", first, (0x80 if masked else 0) | 127, n)
-    if not masked:
-        return head + payload
-    key = os.urandom(4)
-    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
 
 
 def _payload(draw: st.DrawFn) -> bytes:
