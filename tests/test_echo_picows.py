@@ -1,4 +1,5 @@
-"""The picows echo floor: the load generator's guards hold on it; it answers as the uvicorn echo does."""
+"""The echo floors: the load generator's guards hold on the picows echo and on the uvicorn echo's
+fast path; each answers as the uvicorn echo does."""
 
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ if importlib.util.find_spec("picows") is None:  # only when missing: a broken in
     pytest.skip("picows is not installed (pip install -e '.[bench]')", allow_module_level=True)
 
 
-@pytest.fixture(scope="module", params=["picows-echo", "echo"])
+FLOORS = {"picows-echo": [], "echo": [], "fast-path echo": ["--ws", "fast"]}
+
+
+@pytest.fixture(scope="module", params=list(FLOORS))
 def floor(request):
-    """Each floor on a loopback port; the uvicorn echo too, so both are held to the same answers."""
-    server = Server(request.param, request.param, []).start(pin=False)
+    """Each floor on a loopback port, all held to the same answers."""
+    kind = "picows-echo" if request.param == "picows-echo" else "echo"
+    server = Server(request.param, kind, FLOORS[request.param]).start(pin=False)
     yield server
     server.stop()
 
@@ -38,9 +43,9 @@ def picows_floor():
 
 @pytest.mark.parametrize(("paced", "message_ms"), [(False, 80), (False, 160), (True, 160)],
                          ids=["burst-80", "burst-160", "paced-160"])
-def test_the_load_generator_guards_hold_on_the_picows_floor(picows_floor, paced, message_ms):
+def test_the_load_generator_guards_hold_on_each_floor(floor, paced, message_ms):
     """Every frame back, exact and in order (the guards), and counted by /metrics like the uvicorn echo."""
-    result = run_load(LoadSpec(url=picows_floor.url, concurrency=4, sessions=6, frames=12, ramp_s=0.0,
+    result = run_load(LoadSpec(url=floor.url, concurrency=4, sessions=6, frames=12, ramp_s=0.0,
                                message_ms=message_ms, paced=paced, warmup=2, timeout_s=20.0))
     assert result.guards_ok, result.failures
     summary = result.summary()
@@ -102,14 +107,17 @@ def test_bench_short_burst_and_capacity_carry_both_floors(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "client ceiling" in proc.stdout and "duplexserve / picows echo" in proc.stdout
     (level,) = json.loads((tmp_path / "burst.json").read_text())["summary"].values()
-    assert {"echo floor", "picows floor", "duplexserve", "offload path"} <= set(level["costs"])
+    assert {"echo floor", "fast-path echo floor", "picows floor", "duplexserve", "offload path"} <= set(
+        level["costs"])
     assert all(k["guards_ok"] for k in level["costs"].values())
     assert set(level["floor_ratios"]) == {
-        "duplexserve / uvicorn echo", "duplexserve / picows echo", "picows echo / uvicorn echo"}
+        "duplexserve / uvicorn echo", "duplexserve / picows echo", "duplexserve / fast-path echo",
+        "fast-path echo / uvicorn echo", "picows echo / uvicorn echo"}
     assert level["client"]["cpu_us_per_frame"] > 0 and level["client"]["ceiling_frames_per_s"] > 0
     capacity = json.loads((tmp_path / "capacity.json").read_text())
     assert capacity["judged_against"] == "picows floor" and capacity["bound"] == 2.0
     for row in capacity["levels"].values():
         assert row["floors_guards_ok"] and row["guards_ok"]
         assert row["picows_echo"]["frames"] > 0 and row["server_us_per_frame"]["picows_echo"] > 0
+        assert row["fast_echo"]["frames"] > 0 and row["server_us_per_frame"]["fast_echo"] > 0
         assert row["client"]["ceiling_paced_sessions"] > 0

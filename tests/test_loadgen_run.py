@@ -17,8 +17,8 @@ def faulty_echo():
     """Start the bare echo server with one fault; stopped at the end of the test."""
     started: list[Server] = []
 
-    def make(fault: str, frame: int = 3) -> Server:
-        server = Server(f"echo {fault}", "echo", ["--fault", fault, "--fault-frame", str(frame)])
+    def make(fault: str, frame: int = 3, ws: str = "websockets-sansio") -> Server:
+        server = Server(f"echo {fault}", "echo", ["--fault", fault, "--fault-frame", str(frame), "--ws", ws])
         started.append(server.start(pin=False))
         return server
 
@@ -67,8 +67,9 @@ def test_wrong_expectation_fails_the_content_guard(server_factory):
     ("reorder", "frame 3 reordered"),
     ("alter", "frame 3 altered"),
 ])
-def test_a_faulty_server_fails_the_guard_and_says_which(faulty_echo, fault, says):
-    server = faulty_echo(fault)
+@pytest.mark.parametrize("ws", ["websockets-sansio", "fast"])
+def test_a_faulty_server_fails_the_guard_and_says_which(faulty_echo, fault, says, ws):
+    server = faulty_echo(fault, ws=ws)
     result = run_load(_spec(server.url, sessions=2, concurrency=2))
     assert not result.guards_ok
     assert len(result.failures) == 2  # every session saw the fault

@@ -113,6 +113,7 @@ def _judge(
         client = floors.client([runs[name][c] for name in runs])
         rows[str(c)] = {
             "echo": steady[floors.UVICORN],
+            "fast_echo": steady[floors.FAST],
             "picows_echo": steady.get(floors.PICOWS),
             "duplexserve": steady["duplexserve"],
             "p99_ratio": ratios[floors.UVICORN],
@@ -122,6 +123,7 @@ def _judge(
             "floors_guards_ok": floors_ok,
             "server_us_per_frame": {
                 "echo": _server_cpu(runs[floors.UVICORN][c]),
+                "fast_echo": _server_cpu(runs[floors.FAST][c]),
                 "picows_echo": _server_cpu(runs[floors.PICOWS][c]) if floors.PICOWS in runs else math.nan,
                 "duplexserve": _server_cpu(ds),
             },
@@ -139,24 +141,25 @@ def _print(bench: Any, rows: dict[str, Any], steady_s: float) -> None:
         title=f"paced capacity: {bench.message_ms} ms messages; latency over the steady window "
         f"(~{steady_s:.0f} s with every session streaming)"
     )
-    for col in ("sessions", "uvicorn echo p50/p99 ms", "picows echo p50/p99 ms", "duplexserve p50/p99 ms",
-                "p99 / uvicorn", "p99 / picows", "underruns u/p/ds", "held"):  # fmt: skip
+    for col in ("sessions", "uvicorn echo p50/p99 ms", "fast-path echo p50/p99 ms", "picows echo p50/p99 ms",
+                "duplexserve p50/p99 ms", "p99 / uvicorn", "p99 / picows", "underruns u/f/p/ds",
+                "held"):  # fmt: skip
         latency.add_column(col, justify="right")
     cost = Table(title="paced capacity: server CPU per frame and the client's ceiling")
-    for col in ("sessions", "server us/frame u/p/ds", "client us/frame", "client ceiling sessions",
+    for col in ("sessions", "server us/frame u/f/p/ds", "client us/frame", "client ceiling sessions",
                 "client lag p99 ms", "client-bound"):  # fmt: skip
         cost.add_column(col, justify="right")
     for c, row in rows.items():
-        e, p, d = row["echo"], row["picows_echo"], row["duplexserve"]
-        under = "/".join(str(s["underruns"]) if s and s.get("frames") else "-" for s in (e, p, d))
+        e, f, p, d = row["echo"], row["fast_echo"], row["picows_echo"], row["duplexserve"]
+        under = "/".join(str(s["underruns"]) if s and s.get("frames") else "-" for s in (e, f, p, d))
         latency.add_row(
-            c, _pair(e), _pair(p), _pair(d), f"{row['p99_ratio']:.2f}", f"{row['p99_ratio_picows']:.2f}",
-            under, "yes" if row["held"] else "no",
+            c, _pair(e), _pair(f), _pair(p), _pair(d), f"{row['p99_ratio']:.2f}",
+            f"{row['p99_ratio_picows']:.2f}", under, "yes" if row["held"] else "no",
         )  # fmt: skip
         us = row["server_us_per_frame"]
         client = row["client"]
         cost.add_row(
-            c, f"{us['echo']:.1f}/{us['picows_echo']:.1f}/{us['duplexserve']:.1f}",
+            c, "/".join(f"{us[k]:.1f}" for k in ("echo", "fast_echo", "picows_echo", "duplexserve")),
             f"{client['cpu_us_per_frame']:.1f}", f"{client['ceiling_paced_sessions']:,.0f}",
             f"{row['client_send_lag_p99_ms']:.1f}", "[red]yes[/]" if row["client_bound"] else "no",
         )  # fmt: skip

@@ -1,7 +1,9 @@
-"""The two floors duplexserve is measured against, and the client's own ceiling.
+"""The floors duplexserve is measured against, and the client's own ceiling.
 
 The uvicorn echo (:mod:`duplexserve.loadgen.echo`) is the floor of duplexserve's own
-stack: what ASGI under uvicorn costs with nothing behind it. The picows echo
+stack: what ASGI under uvicorn costs with nothing behind it. The same echo on
+duplexserve's fast path (``--ws fast``) is the floor of that path's framing and
+transport: what duplexserve costs beyond it is its sessions and engine hand-off. The picows echo
 (:mod:`duplexserve.loadgen.echo_picows`) is the floor of Python WebSocket code, the one
 BENCHMARKS.md's paced goal is judged against. Both run beside duplexserve in one run,
 since timings are only comparable within the same minute.
@@ -21,6 +23,7 @@ from typing import Any
 from duplexserve.bench.servers import Server
 
 UVICORN = "echo floor"  # the name the JSON has always used for the uvicorn echo
+FAST = "fast-path echo floor"
 PICOWS = "picows floor"
 FRAME_S = 0.08
 #: Above this share of one client core (or of a paced count's demand on it) the client, not
@@ -34,7 +37,7 @@ def have_picows() -> bool:
 
 def servers() -> tuple[dict[str, Server], str]:
     """The floors to start, and a note to print when picows is missing (its floor is then left out)."""
-    out = {UVICORN: Server(UVICORN, "echo", [])}
+    out = {UVICORN: Server(UVICORN, "echo", []), FAST: Server(FAST, "echo", ["--ws", "fast"])}
     if not have_picows():
         return out, "picows is not installed (pip install '.[bench]'): the picows floor is left out"
     out[PICOWS] = Server(PICOWS, "picows-echo", [])

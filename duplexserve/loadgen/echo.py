@@ -1,7 +1,11 @@
 """The floor: a bare echo server on the same WebSocket stack as duplexserve.
 
 A raw ASGI app under uvicorn with exactly the settings of
-:func:`duplexserve.server.run.uvicorn_config`. It speaks just enough of ``duplex/1``
+:func:`duplexserve.server.run.uvicorn_config`. With ``--ws fast`` it runs on duplexserve's
+own fast path (``server/ws_protocol.py``: a callback per message, synchronous sends, the
+frame reader of ``server/ws_frames.py``) instead of ASGI messages: the floor of that path's
+framing and transport, so that what duplexserve costs beyond it is what its sessions and
+engine hand-off cost. It speaks just enough of ``duplex/1``
 for the load generator (``session.created``, one binary message per 80 ms frame,
 ``input.end`` answered by ``session.closed``) and nothing else: no orchestration, no
 engine, no thread. What duplexserve costs beyond it is what orchestration costs.
@@ -15,6 +19,7 @@ load generator's guards can be shown to catch it.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import resource
@@ -23,6 +28,7 @@ from typing import Any
 
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.config import ServerConfig
+from duplexserve.server.ws_protocol import EXTENSION, FastWebSocketProtocol
 
 FRAME_BYTES = 4 * FRAME_SAMPLES  # pcm_f32le at 24 kHz, the only format the floor speaks
 FAULTS = ("drop", "reorder", "alter")
@@ -41,7 +47,7 @@ class EchoApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "websocket":
-            await self._session(receive, send)
+            await self._session(scope, receive, send)
         elif kind == "http":
             await self._http(scope, send)
         elif kind == "lifespan":
@@ -53,7 +59,7 @@ class EchoApp:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
-    async def _session(self, receive: Any, send: Any) -> None:
+    async def _session(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         self.sessions += 1
@@ -63,48 +69,68 @@ class EchoApp:
             "type": "session.created", "protocol": "duplex/1", "session_id": secrets.token_hex(8),
             "model": "echo", "engine": "bare-echo", "frame_ms": 80, "input": fmt, "output": fmt,
         })})
-        partial = b""
-        index = 0
-        held: bytes | None = None
+        stream = _Stream(self)
+        sock = scope.get("extensions", {}).get(EXTENSION, {}).get("socket")
+        if sock is not None:
+            await self._fast(stream, sock)
+            return
         while True:
             message = await receive()
             if message["type"] != "websocket.receive":
                 return
             data = message.get("bytes")
             if data is None:
-                event = json.loads(message.get("text") or "{}")
-                if event.get("type") == "input.end":
-                    if partial:  # padded with silence and counted, as duplexserve does
-                        self.frames_in += 1
-                        index += 1
-                        await self._out(send, partial + bytes(FRAME_BYTES - len(partial)))
-                    await send({"type": "websocket.send", "text": json.dumps({
-                        "type": "session.closed", "reason": "completed",
-                        "frames_in": index, "frames_out": index, "frames_dropped": 0,
-                    })})
+                closed = stream.on_text(message.get("text") or "{}")
+                for frame in stream.out:
+                    await self._out(send, frame)
+                stream.out.clear()
+                if closed is not None:
+                    await send({"type": "websocket.send", "text": closed})
                     await send({"type": "websocket.close", "code": 1000})
                     return
-                continue
-            if partial:
-                data, partial = partial + data, b""
-            size = len(data)
-            if size == FRAME_BYTES and self.fault is None:  # the common case: send it straight back
-                self.frames_in += 1
-                index += 1
+            elif len(data) == FRAME_BYTES and not stream.partial and self.fault is None:
+                self.frames_in += 1  # the common case: send it straight back
+                stream.index += 1
                 await self._out(send, data)
-                continue
-            whole = size - size % FRAME_BYTES
-            partial = data[whole:]
-            for start in range(0, whole, FRAME_BYTES):
-                frame = data[start: start + FRAME_BYTES]
-                self.frames_in += 1
-                index += 1
-                if self.fault is None:
+            else:
+                for frame in stream.cut(data):
                     await self._out(send, frame)
-                    continue
-                out, held = self._misbehave(index - 1, frame, held)
-                for item in out:
-                    await self._out(send, item)
+                stream.out.clear()
+
+    async def _fast(self, stream: _Stream, sock: FastWebSocketProtocol) -> None:
+        """The same session on duplexserve's fast path: a callback per message, sends at once."""
+        gone = asyncio.get_running_loop().create_future()
+
+        def on_message(message: bytes | str) -> None:
+            if message.__class__ is bytes and len(message) == FRAME_BYTES \
+                    and not stream.partial and self.fault is None:
+                self.frames_in += 1
+                stream.index += 1
+                sock.send_bytes(message)
+                self.frames_out += 1
+                return
+            closed = None
+            if isinstance(message, str):
+                closed = stream.on_text(message)
+            else:
+                stream.cut(bytes(message))
+            for frame in stream.out:
+                sock.send_bytes(frame)
+                self.frames_out += 1
+            stream.out.clear()
+            if closed is not None:
+                sock.send_text(closed)
+                sock.close(1000)
+
+        def on_lost() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        sock.start(on_message, on_lost, _nothing)
+        try:
+            await gone
+        finally:
+            sock.release()
 
     def _misbehave(self, index: int, frame: bytes, held: bytes | None) -> tuple[list[bytes], bytes | None]:
         """(frames to send now, frame held back) under the configured fault."""
@@ -153,11 +179,61 @@ class EchoApp:
         return "\n".join(lines) + "\n"
 
 
+class _Stream:
+    """One session's input cut into frames (``out``), faults applied, as both paths share it."""
+
+    def __init__(self, app: EchoApp) -> None:
+        self.app = app
+        self.partial = b""
+        self.index = 0
+        self.held: bytes | None = None
+        self.out: list[bytes] = []
+
+    def cut(self, data: bytes) -> list[bytes]:
+        """Whole frames of ``partial + data`` into ``out``; the rest is kept for the next message."""
+        if self.partial:
+            data, self.partial = self.partial + data, b""
+        whole = len(data) - len(data) % FRAME_BYTES
+        self.partial = data[whole:]
+        app = self.app
+        for start in range(0, whole, FRAME_BYTES):
+            frame = data[start: start + FRAME_BYTES]
+            app.frames_in += 1
+            self.index += 1
+            if app.fault is None:
+                self.out.append(frame)
+                continue
+            sent, self.held = app._misbehave(self.index - 1, frame, self.held)
+            self.out += sent
+        return self.out
+
+    def on_text(self, text: str) -> str | None:
+        """The ``session.closed`` event to send after ``out`` when the input ended, else None."""
+        if json.loads(text).get("type") != "input.end":
+            return None
+        if self.partial:  # padded with silence and counted, as duplexserve does
+            self.app.frames_in += 1
+            self.index += 1
+            self.out.append(self.partial + bytes(FRAME_BYTES - len(self.partial)))
+            self.partial = b""
+        return json.dumps({
+            "type": "session.closed", "reason": "completed",
+            "frames_in": self.index, "frames_out": self.index, "frames_dropped": 0,
+        })
+
+
+def _nothing() -> None:
+    pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m duplexserve.loadgen.echo", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8999)
-    parser.add_argument("--ws", default="websockets-sansio", choices=("websockets-sansio", "websockets"))
+    parser.add_argument(
+        "--ws", default="websockets-sansio", choices=("websockets-sansio", "websockets", "fast"),
+        help="fast: duplexserve's own fast path (server/ws_protocol.py)",
+    )
     parser.add_argument("--fault", choices=FAULTS, help="misbehave on one frame of every session")
     parser.add_argument("--fault-frame", type=int, default=3, help="which output frame (0-based)")
     parser.add_argument("--log-level", default="warning")
