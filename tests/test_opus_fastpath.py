@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -223,3 +226,22 @@ def test_reading_pauses_while_decoded_frames_wait_for_a_slow_engine(path):
             watcher.join()
     assert received == 20
     assert 64 <= most <= 64 + 8, most  # without the pause: hundreds
+
+
+def test_opus_cost_bench_runs_each_protocol_and_the_pcm_reference(tmp_path):
+    """`bench opus-cost` at CI size: every session of every protocol passes its guards (each
+    PCM answer the very frame sent), and the loop process's cost per frame is read for each."""
+    out = tmp_path / "opus-cost.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexserve", "bench", "opus-cost", "--sessions", "3", "--seconds", "1.5",
+         "--protocol", "pcm,native,moshi", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    levels = json.loads(out.read_text())["levels"]
+    assert [r["protocol"] for r in levels] == ["pcm", "native", "moshi"]
+    for r in levels:
+        assert r["guards_ok"], r["failures"]
+        assert r["frames"] == levels[0]["frames"] >= 3 * 18 and r["loop_process_us"] > 0
+    pcm, native = levels[0], levels[1]
+    assert pcm["workers_us"] == 0 and native["workers_us"] > 0  # no codec work for the reference

@@ -5,7 +5,9 @@
 Each level runs paced sessions of espeak-ng speech, one message of two 40 ms Ogg pages per
 80 ms frame each way, through the synthetic echo engine: ``native`` is ``/v1/duplex``
 with ``input_format=opus&output_format=opus``, ``moshi`` is ``/api/chat`` with a
-Kyutai-style client (handshake byte, ``0x01`` + Ogg pages, no JSON). The server's CPU per
+Kyutai-style client (handshake byte, ``0x01`` + Ogg pages, no JSON), and ``pcm``, the
+reference, is the same speech as the model's own float32 frames on ``/v1/duplex`` (no
+codec at all): what a frame costs the loop process before any Opus is added to it. The server's CPU per
 frame comes from its /metrics, the event-loop process (``duplexserve_cpu_seconds_total``)
 and the codec workers (``duplexserve_codec_processes_cpu_seconds_total``) apart.
 
@@ -53,7 +55,11 @@ def codec_reference_us(messages: list[bytes], complexity: int, frames: int = 100
 
 
 SWITCHES = "duplexserve_voluntary_context_switches_total"
-PATHS = {"native": "/v1/duplex?input_format=opus&output_format=opus", "moshi": "/api/chat"}
+PATHS = {
+    "native": "/v1/duplex?input_format=opus&output_format=opus",
+    "moshi": "/api/chat",
+    "pcm": "/v1/duplex?input_format=pcm_f32le&output_format=pcm_f32le",
+}
 
 
 @dataclass
@@ -95,13 +101,42 @@ class KyutaiSession(cap.OpusSession):
         return None
 
 
+@dataclass
+class PcmSession(cap.OpusSession):
+    """The reference: float32 frames both ways, each answer the very bytes sent (echo engine)."""
+
+    def on_binary(self, data: bytes, now: float) -> None:
+        k = len(self.received)
+        self.received.append(now)
+        if k >= len(self.messages) or data != self.messages[k]:
+            self.bad_frames += 1
+
+    def guard(self) -> str | None:
+        why = super().guard()
+        return why.replace("Ogg/Opus pages", "the frames sent") if why else None
+
+
+def pcm_frames(messages: list[bytes]) -> list[bytes]:
+    """The Ogg/Opus stream decoded, as one float32 frame of the model per message."""
+    from duplexserve.codecs import FRAME_SAMPLES, AudioFormat, make_decoder
+
+    decoder = make_decoder(AudioFormat("opus"))
+    samples = np.concatenate([decoder.decode(m) for m in messages]).astype("<f4")
+    n = len(messages)  # as many frames as messages: the decoder's pre-skip is padded back
+    samples = np.pad(samples, (0, max(0, n * FRAME_SAMPLES - len(samples))))
+    return [samples[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES].tobytes() for i in range(n)]
+
+
+SESSIONS = {"native": cap.OpusSession, "moshi": KyutaiSession, "pcm": PcmSession}
+
+
 async def run_level(
     base: str, protocol: str, sessions: int, messages: list[bytes], ramp_s: float, timeout_s: float
 ) -> dict[str, object]:
     """One level: open every session, pace them, check them, read the server's counters."""
     loop = asyncio.get_running_loop()
-    kind = cap.OpusSession if protocol == "native" else KyutaiSession
-    clients = [kind(messages, keep_audio=(i == 0)) for i in range(sessions)]
+    kind = SESSIONS[protocol]
+    clients = [kind(messages, keep_audio=(i == 0 and protocol != "pcm")) for i in range(sessions)]
     for s in clients:
         s.created, s.done = loop.create_future(), loop.create_future()
     await asyncio.gather(*(cap._open(base + PATHS[protocol], s) for s in clients))
@@ -165,7 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="NAME=DIR[|FLAGS]: a server from that checkout, with extra flags (default: this one)",
     )
     p.add_argument("--server-flags", default="", help="more flags for every started server")
-    p.add_argument("--protocol", default="native,moshi", help="native and/or moshi, comma-separated")
+    p.add_argument("--protocol", default="native,moshi",
+                   help="native, moshi and/or pcm (the codec-free reference), comma-separated")
     p.add_argument("--sessions", default="40,120,200", help="levels, comma-separated")
     p.add_argument("--seconds", type=float, default=20.0, help="audio per session")
     p.add_argument("--rounds", type=int, default=1, help="repeat every level this often, trees interleaved")
@@ -199,20 +235,22 @@ def run(args: argparse.Namespace) -> int:
         tree, _, flags = spec.partition("|")
         flags = f"--opus-complexity {args.complexity} {args.server_flags} {flags}"
         servers[name] = start_server(tree, flags.split(), args.server_cpus)
-    messages = cap.opus_stream(args.seconds)
+    opus = cap.opus_stream(args.seconds)
+    protocols = args.protocol.split(",")
+    streams = {p: pcm_frames(opus) if p == "pcm" else opus for p in protocols}
     results = []
     try:
         for _, base in servers.values():  # warm-up: workers start, code is loaded
-            for protocol in args.protocol.split(","):
-                asyncio.run(run_level(base, protocol, 2, messages[:13], 0.1, args.timeout_s))
+            for protocol in protocols:
+                asyncio.run(run_level(base, protocol, 2, streams[protocol][:13], 0.1, args.timeout_s))
         for level in (int(x) for x in args.sessions.split(",")):
             for rnd in range(args.rounds):
-                for protocol in args.protocol.split(","):
+                for protocol in protocols:
                     for name, (_, base) in servers.items():
                         r = asyncio.run(
-                            run_level(base, protocol, level, messages, args.ramp_s, args.timeout_s)
+                            run_level(base, protocol, level, streams[protocol], args.ramp_s, args.timeout_s)
                         )
-                        ref = codec_reference_us(messages, args.complexity)
+                        ref = codec_reference_us(opus, args.complexity)
                         r.update(
                             tree=name,
                             round=rnd,
