@@ -25,7 +25,7 @@ class Benchmark:
 
 
 BENCHMARKS = {
-    "burst": Benchmark("suite", "host burst: both echo floors, duplexserve and the per-frame offload path"),
+    "burst": Benchmark("suite", "host burst: three echo floors, duplexserve, the per-frame offload path"),
     "ws": Benchmark("suite", "uvicorn's two WebSocket implementations, by burst CPU per frame"),
     "rtf": Benchmark("suite", "paced RTF run against an engine stepping like an H200 2B-class model"),
     "capacity": Benchmark("suite", "paced capacity sweep, judged against the picows echo"),
@@ -33,7 +33,7 @@ BENCHMARKS = {
     "codec-costs": Benchmark("codec_costs", "what each codec path costs per frame, and where it should run"),
     "opus-capacity": Benchmark("opus_capacity", "how many real-time Ogg/Opus sessions a server holds"),
     "opus-cost": Benchmark(
-        "opus_cost", "Opus CPU per frame, loop process and codec workers apart, both protocols"
+        "opus_cost", "Opus CPU per frame, loop and codec workers apart, per protocol, and PCM"
     ),
     "opus-handoff": Benchmark("opus_handoff", "the loop's hand-off to the codec workers alone, no sockets"),
     "vllm-side-by-side": Benchmark(
