@@ -7,9 +7,10 @@ Each level runs paced sessions of espeak-ng speech, one message of two 40 ms Ogg
 with ``input_format=opus&output_format=opus``, ``moshi`` is ``/api/chat`` with a
 Kyutai-style client (handshake byte, ``0x01`` + Ogg pages, no JSON), and ``pcm``, the
 reference, is the same speech as the model's own float32 frames on ``/v1/duplex`` (no
-codec at all): what a frame costs the loop process before any Opus is added to it. The server's CPU per
-frame comes from its /metrics, the event-loop process (``duplexserve_cpu_seconds_total``)
-and the codec workers (``duplexserve_codec_processes_cpu_seconds_total``) apart.
+codec at all): what a frame costs the loop process before any Opus is added to it. The
+server's CPU per frame comes from its /metrics, the event-loop process
+(``duplexserve_cpu_seconds_total``) and the codec workers
+(``duplexserve_codec_processes_cpu_seconds_total``) apart.
 
 A/B: ``--tree NAME=DIR`` (repeatable) runs a server from another checkout (a ``git
 archive`` of the commit to compare, say) beside this one; levels then run round-robin,
@@ -136,7 +137,7 @@ async def run_level(
     """One level: open every session, pace them, check them, read the server's counters."""
     loop = asyncio.get_running_loop()
     kind = SESSIONS[protocol]
-    clients = [kind(messages, keep_audio=(i == 0 and protocol != "pcm")) for i in range(sessions)]
+    clients = [kind(messages, keep_audio=(i == 0)) for i in range(sessions)]
     for s in clients:
         s.created, s.done = loop.create_future(), loop.create_future()
     await asyncio.gather(*(cap._open(base + PATHS[protocol], s) for s in clients))

@@ -4,11 +4,10 @@ A raw ASGI app under uvicorn with exactly the settings of
 :func:`duplexserve.server.run.uvicorn_config`. With ``--ws fast`` it runs on duplexserve's
 own fast path (``server/ws_protocol.py``: a callback per message, synchronous sends, the
 frame reader of ``server/ws_frames.py``) instead of ASGI messages: the floor of that path's
-framing and transport, so that what duplexserve costs beyond it is what its sessions and
-engine hand-off cost. It speaks just enough of ``duplex/1``
-for the load generator (``session.created``, one binary message per 80 ms frame,
-``input.end`` answered by ``session.closed``) and nothing else: no orchestration, no
-engine, no thread. What duplexserve costs beyond it is what orchestration costs.
+framing and transport. It speaks just enough of ``duplex/1`` for the load generator
+(``session.created``, one binary message per 80 ms frame, ``input.end`` answered by
+``session.closed``) and nothing else: no orchestration, no engine, no thread. What
+duplexserve costs beyond it is what orchestration costs.
 
 It exports the counters duplexserve exports, under the same names and read the same
 way (``getrusage`` of the process), so both are measured alike. With ``--fault`` it
@@ -79,45 +78,30 @@ class EchoApp:
             if message["type"] != "websocket.receive":
                 return
             data = message.get("bytes")
-            if data is None:
-                closed = stream.on_text(message.get("text") or "{}")
-                for frame in stream.out:
-                    await self._out(send, frame)
-                stream.out.clear()
-                if closed is not None:
-                    await send({"type": "websocket.send", "text": closed})
-                    await send({"type": "websocket.close", "code": 1000})
-                    return
-            elif len(data) == FRAME_BYTES and not stream.partial and self.fault is None:
-                self.frames_in += 1  # the common case: send it straight back
-                stream.index += 1
+            if data is not None and stream.straight(data):  # the common case: send it straight back
                 await self._out(send, data)
-            else:
-                for frame in stream.cut(data):
-                    await self._out(send, frame)
-                stream.out.clear()
+                continue
+            frames, closed = stream.take(message.get("text") or "{}" if data is None else data)
+            for frame in frames:
+                await self._out(send, frame)
+            if closed is not None:
+                await send({"type": "websocket.send", "text": closed})
+                await send({"type": "websocket.close", "code": 1000})
+                return
 
     async def _fast(self, stream: _Stream, sock: FastWebSocketProtocol) -> None:
         """The same session on duplexserve's fast path: a callback per message, sends at once."""
         gone = asyncio.get_running_loop().create_future()
 
         def on_message(message: bytes | str) -> None:
-            if message.__class__ is bytes and len(message) == FRAME_BYTES \
-                    and not stream.partial and self.fault is None:
-                self.frames_in += 1
-                stream.index += 1
-                sock.send_bytes(message)
+            if message.__class__ is bytes and stream.straight(message):  # type: ignore[arg-type]
+                sock.send_bytes(message)  # type: ignore[arg-type]
                 self.frames_out += 1
                 return
-            closed = None
-            if isinstance(message, str):
-                closed = stream.on_text(message)
-            else:
-                stream.cut(bytes(message))
-            for frame in stream.out:
+            frames, closed = stream.take(message)
+            for frame in frames:
                 sock.send_bytes(frame)
                 self.frames_out += 1
-            stream.out.clear()
             if closed is not None:
                 sock.send_text(closed)
                 sock.close(1000)
@@ -180,43 +164,57 @@ class EchoApp:
 
 
 class _Stream:
-    """One session's input cut into frames (``out``), faults applied, as both paths share it."""
+    """One session's input cut into frames, faults applied: what both paths share."""
 
     def __init__(self, app: EchoApp) -> None:
         self.app = app
         self.partial = b""
         self.index = 0
         self.held: bytes | None = None
-        self.out: list[bytes] = []
 
-    def cut(self, data: bytes) -> list[bytes]:
-        """Whole frames of ``partial + data`` into ``out``; the rest is kept for the next message."""
+    def straight(self, data: bytes) -> bool:
+        """A whole frame with nothing held back and no fault: counted, to be sent as it is."""
+        if len(data) != FRAME_BYTES or self.partial or self.app.fault is not None:
+            return False
+        self.app.frames_in += 1
+        self.index += 1
+        return True
+
+    def take(self, message: bytes | str) -> tuple[list[bytes], str | None]:
+        """Any other message: the frames to send, then the ``session.closed`` event to send
+        after them if the input ended (else None)."""
+        if isinstance(message, str):
+            return self._end(message)
+        return self._cut(message), None
+
+    def _cut(self, data: bytes) -> list[bytes]:
+        """Whole frames of ``partial + data``; the rest is kept for the next message."""
         if self.partial:
             data, self.partial = self.partial + data, b""
         whole = len(data) - len(data) % FRAME_BYTES
         self.partial = data[whole:]
-        app = self.app
+        app, out = self.app, []
         for start in range(0, whole, FRAME_BYTES):
             frame = data[start: start + FRAME_BYTES]
             app.frames_in += 1
             self.index += 1
             if app.fault is None:
-                self.out.append(frame)
+                out.append(frame)
                 continue
             sent, self.held = app._misbehave(self.index - 1, frame, self.held)
-            self.out += sent
-        return self.out
+            out += sent
+        return out
 
-    def on_text(self, text: str) -> str | None:
-        """The ``session.closed`` event to send after ``out`` when the input ended, else None."""
+    def _end(self, text: str) -> tuple[list[bytes], str | None]:
         if json.loads(text).get("type") != "input.end":
-            return None
+            return [], None
+        out = []
         if self.partial:  # padded with silence and counted, as duplexserve does
             self.app.frames_in += 1
             self.index += 1
-            self.out.append(self.partial + bytes(FRAME_BYTES - len(self.partial)))
+            out.append(self.partial + bytes(FRAME_BYTES - len(self.partial)))
             self.partial = b""
-        return json.dumps({
+        return out, json.dumps({
             "type": "session.closed", "reason": "completed",
             "frames_in": self.index, "frames_out": self.index, "frames_dropped": 0,
         })
