@@ -1,4 +1,4 @@
-"""``duplexserve`` command line: ``serve`` (and the tools registered beside it)."""
+"""``duplexserve`` command line: ``serve``, ``check`` (and the tools registered beside them)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         "reads an environment variable, named in its help.",
     )
     ServerConfig.add_arguments(serve_p)
+    sub.add_parser("check", help="what this machine and these options give, without serving "
+                   "(paste it into a bug report)", define=from_module("duplexserve.check.command"))
     sub.add_parser("loadgen", help="drive a server with sessions and measure it",
                    define=from_module("duplexserve.loadgen.command"))
     sub.add_parser("bench", help="run a benchmark (docs/benchmarks.md)",
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from duplexserve.bench import command
 
         return command.run(args)
+    if args.command == "check":
+        from duplexserve.check import command
+
+        return command.run(args)
     if args.command == "serve":
         config = ServerConfig.from_namespace(args)
         try:
@@ -43,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        from duplexserve.check.preflight import CannotServe, preflight
+
+        try:
+            config = preflight(config)
+        except CannotServe as exc:
+            logging.getLogger("duplexserve").debug("preflight", exc_info=True)  # --log-level debug only
+            print(f"duplexserve: {exc}", file=sys.stderr)
+            return 1
         from duplexserve.server.run import serve
 
         serve(config)

@@ -9,14 +9,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 ENV_PREFIX = "DUPLEXSERVE_"
+#: ``--max-sessions auto``: resolved before serving to the slots that fit by the moshi
+#: engine's memory plan on the GPU (duplexserve/check/plan.py); no part below sees it.
+AUTO_SESSIONS = 0
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None
+) -> Any:
+    """A setting; ``parse`` reads its flag and variable when the default's type cannot."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+
+
+def int_or_auto(text: str) -> int:
+    """``--max-sessions``: a count of at least 1, or ``auto`` (:data:`AUTO_SESSIONS`, never typed)."""
+    if text.strip().lower() == "auto":
+        return AUTO_SESSIONS
+    count = int(text)
+    if count < 1:
+        raise ValueError(f"{text!r}: at least 1, or auto")
+    return count
 
 
 @dataclass
@@ -42,8 +59,25 @@ class ServerConfig:
     host_ms_per_session: float = _opt(
         0.0, "synthetic step model: Python work per session per step, holding the GIL"
     )
-    moshi_preset: str = _opt("tiny", "moshi engine: architecture preset with random weights")
-    moshi_weights: str = _opt("", "moshi engine: folder with local weights (nothing is downloaded)")
+    moshi_preset: str = _opt(
+        "tiny", "moshi engine: a released architecture with random weights, when no checkpoint is named"
+    )
+    moshi_hf_repo: str = _opt(
+        "", "moshi engine: checkpoint OWNER/NAME[@REVISION] from the local Hugging Face cache (offline: a "
+        "missing file is an error, never a download)"
+    )
+    moshi_weights: str = _opt(
+        "", "moshi engine: checkpoint folder laid out like its Hugging Face repository (nothing is "
+        "downloaded)"
+    )
+    moshi_config: str = _opt(
+        "", "moshi engine: config.json replacing the checkpoint's (moshi's --config-path)"
+    )
+    moshi_lora: str = _opt("", "moshi engine: LoRA adapter (safetensors) fused into the LM at load")
+    moshi_cfg_coef: float = _opt(
+        1.0, "moshi engine: classifier-free guidance of a conditioned LM (Hibiki), the negative being "
+        "\"very_bad\" as in moshi; 1: off. Doubles each session's KV cache"
+    )
     device: str = _opt("auto", "moshi engine: torch device (auto, cpu, cuda)")
     moshi_tokenizer: str = _opt("", "moshi engine: SentencePiece model turning text tokens into text")
     moshi_context: int = _opt(0, "moshi engine: LM context (KV cache) in frames; 0: the model's own")
@@ -53,10 +87,19 @@ class ServerConfig:
         ("auto", "bfloat16", "float16", "float32", "float64"),
     )
     moshi_greedy: bool = _opt(False, "moshi engine: greedy decoding instead of sampling (tests)")
-    moshi_temp: float = _opt(0.8, "moshi engine: audio sampling temperature")
-    moshi_temp_text: float = _opt(0.7, "moshi engine: text sampling temperature")
-    moshi_top_k: int = _opt(250, "moshi engine: audio top-k")
-    moshi_top_k_text: int = _opt(25, "moshi engine: text top-k")
+    moshi_temp: float | None = _opt(
+        None, "moshi engine: audio sampling temperature (unset: the checkpoint's lm_gen_config, else 0.8)",
+        parse=float,
+    )
+    moshi_temp_text: float | None = _opt(
+        None, "moshi engine: text sampling temperature (unset: the checkpoint's, else 0.7)", parse=float
+    )
+    moshi_top_k: int | None = _opt(
+        None, "moshi engine: audio top-k (unset: the checkpoint's, else 250)", parse=int
+    )
+    moshi_top_k_text: int | None = _opt(
+        None, "moshi engine: text top-k (unset: the checkpoint's, else 25)", parse=int
+    )
     moshi_seed: int = _opt(0, "moshi engine: seed of the random weights and of sampling")
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
@@ -146,7 +189,12 @@ class ServerConfig:
     )
 
     # Admission and bounds.
-    max_sessions: int = _opt(256, "sessions served at once (engine slots); more get 1013")
+    max_sessions: int = _opt(
+        256, "sessions served at once (engine slots); more get 1013. auto (moshi engine on a GPU): as "
+        "many as fit in the GPU's free memory after the weights, by the engine's memory plan "
+        "(duplexserve check shows it)",
+        parse=int_or_auto,
+    )
     queue_size: int = _opt(256, "bound of the janus queue into the engine thread")
     inflight_frames: int = _opt(
         8, "frames of one session handed to the engine and not yet answered, at most"
@@ -169,6 +217,11 @@ class ServerConfig:
     )
     resume_grace_s: float = _opt(
         30.0, "duplex/1: keep a session whose connection dropped this long for a resume (0: no resume)"
+    )
+    max_detached: int = _opt(
+        -1, "duplex/1: most sessions kept detached for a resume at once; past it the one detached "
+        "longest ends (resume_evicted), as it does when a new session finds every slot taken "
+        "(-1: a quarter of --max-sessions, at least 1)",
     )
     late_frame_ms: float = _opt(
         200.0, "an output frame handed to the socket more than this after its input arrived is late "
@@ -213,8 +266,8 @@ class ServerConfig:
         if self.engine == "synthetic":
             return f"synthetic-{self.synthetic_mode}"
         if self.engine == "moshi":
-            weights = self.moshi_weights.rstrip("/")
-            return os.path.basename(weights) if weights else self.moshi_preset
+            named = self.moshi_hf_repo.partition("@")[0] or self.moshi_weights.rstrip("/")
+            return os.path.basename(named) if named else self.moshi_preset
         return self.vllm_omni_model or self.engine
 
     @classmethod
@@ -223,7 +276,7 @@ class ServerConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             env = ENV_PREFIX + f.name.upper()
-            default = _from_env(env, f.default)
+            default = _from_env(env, f.default, f.metadata["parse"])
             help_text = f"{f.metadata['help']} [env {env}; default %(default)s]"
             if isinstance(f.default, bool) or f.type == "bool | None":
                 parser.add_argument(
@@ -232,7 +285,7 @@ class ServerConfig:
             else:
                 parser.add_argument(
                     flag,
-                    type=type(f.default),
+                    type=f.metadata["parse"] or type(f.default),
                     default=default,
                     choices=f.metadata["choices"],
                     help=help_text,
@@ -255,8 +308,15 @@ class ServerConfig:
         return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
 
     def validate(self) -> None:
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
+        if self.max_sessions == AUTO_SESSIONS:
+            if self.engine != "moshi" or not self._on_gpu():
+                where = f"with --engine {self.engine}" if self.engine != "moshi" else "on the CPU"
+                raise ValueError(
+                    f"--max-sessions auto sizes the moshi engine's slots by its GPU's free memory; {where} "
+                    "give a number"
+                )
+        elif self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1 (or auto)")
         if self.queue_size < 1 or self.inflight_frames < 1:
             raise ValueError("queue_size and inflight_frames must be at least 1")
         if self.max_pending_frames < 1 or self.max_output_frames < 1:
@@ -272,6 +332,8 @@ class ServerConfig:
             raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
+        if self.max_detached < -1:
+            raise ValueError("max_detached must be -1 (a quarter of max_sessions) or at least 0")
         if self.codec_threads < 1 or self.codec_processes < 0:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
         if not 0 <= self.opus_complexity <= 10:
@@ -283,10 +345,12 @@ class ServerConfig:
 _BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
 
 
-def _from_env(name: str, default: Any) -> Any:
+def _from_env(name: str, default: Any, parse: Callable[[str], Any] | None = None) -> Any:
     raw = os.environ.get(name)
     if raw is None:
         return default
+    if parse is not None:
+        return parse(raw)
     if isinstance(default, bool) or (default is None and raw.strip().lower() in _BOOL_WORDS):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     return type(default)(raw)

@@ -3,6 +3,8 @@
 # repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
 # web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
+#   steps-live              step time against live sessions (8, 32, 128, 384) in engines built for
+#                           8, 32, 128 and 384 slots, hibiki-2b, int8 ring (issue 37)
 #   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-ctxC][-tickT]
 #                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
@@ -30,6 +32,9 @@ for phase in "$@"; do
     steps-hibiki)
       python3 -m duplexserve bench moshi-steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
         --out "$OUT/steps-hibiki.json" ;;
+    steps-live)
+      python3 -m duplexserve bench moshi-steps --preset hibiki-2b --kv-dtype int8 --batches 8,32,128,384 \
+        --live 8,32,128,384 --steps 50 --out "$OUT/steps-live.json" ;;
     breakdown|attention|agreement|mimi)
       python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
     breakdown-*|agreement-*)

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+#: The Python that runs the servers under test: this one, or (scripts/test-lowest.sh) a venv
+#: holding the lowest versions pyproject.toml admits, while the clients stay this venv's.
+SERVER_PYTHON = os.environ.get("DUPLEXSERVE_TEST_SERVER_PYTHON") or sys.executable
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -68,7 +72,7 @@ def start_server(
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     with open(log_path, "wb") as log:  # the child keeps its own handle
         proc = subprocess.Popen(
-            [sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
+            [SERVER_PYTHON, "-m", "duplexserve", "serve", "--port", str(port),
              "--log-level", "warning", *args],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import websockets
+import websockets.asyncio.client
 
 
 @dataclass
@@ -41,7 +41,7 @@ async def converse(
     gap: float = 0.0,
 ) -> Result:
     """Send every message (dicts as JSON), then input.end, and read until the server closes."""
-    async with websockets.connect(url, compression=None, max_size=None) as ws:
+    async with websockets.asyncio.client.connect(url, compression=None, max_size=None) as ws:
         result = Result(json.loads(await ws.recv()))
 
         async def reader() -> None:

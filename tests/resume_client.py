@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import websockets
+import websockets.asyncio.client
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ResumingClient:
 
     async def open(self) -> None:
         url = self.base_url + (f"?{self.query}" if self.query else "")
-        self._ws = await websockets.connect(url, compression=None, max_size=None)
+        self._ws = await websockets.asyncio.client.connect(url, compression=None, max_size=None)
         self.created = json.loads(await self._ws.recv())
         self._reader = asyncio.create_task(self._read(self._ws))
 
@@ -91,7 +91,7 @@ class ResumingClient:
         del self.frames[k + 1 :]  # anything after k comes again
         self.texts = [i for i in self.texts if i <= k]
         url = f"{self.base_url}?resume={token or self.token}&last_frame={k}"
-        self._ws = await websockets.connect(url, compression=None, max_size=None)
+        self._ws = await websockets.asyncio.client.connect(url, compression=None, max_size=None)
         first = json.loads(await self._ws.recv())
         if first["type"] == "session.resumed":
             self.resumed.append(first)

@@ -27,7 +27,7 @@ def test_each_benchmark_keeps_its_own_options():
     args = parse("vllm-side-by-side", "run", "--reps", "1")
     assert (args.part, args.reps, args.out) == ("run", 1, "bench-out/vllm-omni")
     args = parse("moshi-rtf", "--sessions", "192", "--engine-process")
-    assert (args.sessions, args.engine_process, args.preset) == (192, True, "hibiki-2b")
+    assert (args.sessions, args.engine_process, args.preset) == (192, True, "hibiki-2b-class")
     assert parse("codec-costs", "--opus-encoders").opus_encoders
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import httpx
 import numpy as np
 import pytest
-import websockets
+import websockets.asyncio.client
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
@@ -138,7 +138,7 @@ def test_talk_page_says_why_a_full_server_refused(server_factory, tmp_path) -> N
     server = server_factory("--max-sessions", "1", "--refuse-with-http-503")
 
     async def hold_the_only_slot() -> None:
-        async with websockets.connect(server.ws()) as ws:
+        async with websockets.asyncio.client.connect(server.ws()) as ws:
             await ws.recv()  # session.created
             await asyncio.to_thread(check_page)
 

@@ -85,12 +85,12 @@ def test_turnaround_starts_at_the_message_that_carried_the_frame(echo_server):
     receive time before it set it, and every frame came out one message gap late)."""
     import json
 
-    import websockets
+    import websockets.asyncio.client
 
     async def paced() -> tuple[float, dict]:
         frames = noise(6, seed=33).reshape(6, 1920)
         worst = 0.0
-        async with websockets.connect(echo_server.ws(), compression=None, max_size=None) as ws:
+        async with websockets.asyncio.client.connect(echo_server.ws(), compression=None, max_size=None) as ws:
             await ws.recv()  # session.created
             for frame in frames:
                 sent = asyncio.get_running_loop().time()

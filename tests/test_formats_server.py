@@ -17,7 +17,7 @@ import urllib.parse
 import numpy as np
 import pytest
 import soxr
-import websockets
+import websockets.asyncio.client
 
 from duplexserve.codecs import FRAME_SAMPLES, MODEL_RATE, AudioFormat, make_decoder, make_encoder
 from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, LIBOPUS
@@ -165,7 +165,7 @@ def test_unsupported_session_update_is_an_error_and_formats_stay(echo_server):
 def test_unsupported_combination_is_refused_before_any_audio(echo_server, q):
     async def scenario():
         messages = []
-        async with websockets.connect(echo_server.ws(query=q), compression=None) as ws:
+        async with websockets.asyncio.client.connect(echo_server.ws(query=q), compression=None) as ws:
             with contextlib.suppress(websockets.ConnectionClosed):
                 while True:
                     messages.append(await ws.recv())
@@ -243,7 +243,8 @@ def test_a_dead_codec_worker_ends_its_sessions_and_the_server_goes_on(server_fac
     messages = wire_messages(speechlike(MODEL_RATE, seed=9, seconds=2.0), inp, 80)
 
     async def scenario():
-        async with websockets.connect(server.ws(query=query(inp, out)), compression=None) as ws:
+        url = server.ws(query=query(inp, out))
+        async with websockets.asyncio.client.connect(url, compression=None) as ws:
             await ws.recv()
             for m in messages[:4]:
                 await ws.send(m)

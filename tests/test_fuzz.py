@@ -12,7 +12,7 @@ import itertools
 import json
 
 import numpy as np
-import websockets
+import websockets.asyncio.client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,7 +62,7 @@ messages = st.one_of(
 @given(script=st.lists(messages, min_size=1, max_size=8))
 def test_random_sessions_get_protocol_answers_and_harm_nobody(echo_server, script):
     async def attack():
-        async with websockets.connect(echo_server.ws(), compression=None, max_size=None) as ws:
+        async with websockets.asyncio.client.connect(echo_server.ws(), compression=None, max_size=None) as ws:
             await ws.recv()
             received = []
             with contextlib.suppress(websockets.ConnectionClosed):
@@ -76,7 +76,7 @@ def test_random_sessions_get_protocol_answers_and_harm_nobody(echo_server, scrip
 
     async def healthy():
         audio = signal(2, seed=5).tobytes()
-        async with websockets.connect(echo_server.ws(), compression=None) as ws:
+        async with websockets.asyncio.client.connect(echo_server.ws(), compression=None) as ws:
             await ws.recv()
             await ws.send(audio)
             await ws.send(json.dumps({"type": "input.end"}))

@@ -11,7 +11,7 @@ import gc
 
 import numpy as np
 import uvicorn
-import websockets
+import websockets.asyncio.client
 
 from duplexserve.config import ServerConfig
 from duplexserve.server.app import create_app
@@ -25,7 +25,7 @@ async def _sessions(port: int, count: int) -> None:
     frame = np.zeros(1920, np.float32).tobytes()
 
     async def one() -> None:
-        async with websockets.connect(f"ws://127.0.0.1:{port}/v1/duplex") as ws:
+        async with websockets.asyncio.client.connect(f"ws://127.0.0.1:{port}/v1/duplex") as ws:
             await ws.recv()  # session.created
             await ws.send(frame * 2)
             await ws.send('{"type": "input.end"}')

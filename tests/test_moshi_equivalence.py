@@ -1,7 +1,8 @@
 """The batched engine equals Kyutai's own batch-1 loop, session by session.
 
-The reference is the loop of moshi's own clients and server: one ``streaming(1)`` state
-per conversation, ``LMGen.step`` returning None during the model's delay,
+The reference is the loop of moshi's own server: one ``streaming(1)`` state per
+conversation, the family's condition tensors, Mimi reset after the first frame is
+encoded, ``LMGen.step`` returning None during the model's delay,
 ``mimi.decode(tokens[:, 1:])`` otherwise, stock modules, the same weights. The engine
 runs several sessions in one batch of slots with live-prefix attention, sessions
 opening and closing while others stream, a slot taken over by a new session, frames
@@ -25,9 +26,9 @@ import numpy as np
 import pytest
 
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
+from duplexserve.engine_bridge.moshi.reference import FRAME, server_loop, stock_models
 
 CONTEXT = 16  # LM ring of 16 frames: the 40-frame session wraps it twice
-FRAME = 1920
 
 
 def signal(seed: int, frames: int) -> np.ndarray:
@@ -38,58 +39,37 @@ def signal(seed: int, frames: int) -> np.ndarray:
 SESSIONS = [(0, 0, 40, ()), (1, 3, 12, ()), (2, 5, 26, (9, 10, 17)), (1, 19, 18, (25,))]
 
 
-def kyutai_loop(engine: MoshiEngine, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Kyutai's batch-1 loop on stock modules holding the engine's weights: audio, tokens."""
-    import torch
-    from moshi.models import LMGen, loaders
-
-    preset = engine.preset
-    mimi = loaders.get_mimi(None, preset.mimi, device="cpu", num_codebooks=preset.codebooks).double()
-    lm_kwargs = {**preset.lm, "context": CONTEXT}
-    lm = loaders.get_moshi_lm(None, lm_kwargs=lm_kwargs, device="cpu", dtype=torch.float64)
-    mimi.load_state_dict(engine.mimi.state_dict())
-    lm.load_state_dict(engine.lm_gen.lm_model.state_dict())
-    lm_gen = LMGen(lm, use_sampling=False)
-    audio, tokens = [], []
-    with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
-        for frame in frames:
-            out = lm_gen.step(mimi.encode(torch.from_numpy(frame).double().view(1, 1, -1)))
-            if out is None:
-                audio.append(np.zeros(FRAME, np.float32))
-            else:
-                tokens.append(out[0, :, 0].numpy())
-                audio.append(mimi.decode(out[:, 1:])[0, 0].float().numpy())
-    return np.stack(audio), np.stack(tokens)
-
-
-def run_sessions(engine: MoshiEngine) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """Stream SESSIONS through the engine: each session's audio out, tokens, input."""
+def run_sessions(
+    engine: MoshiEngine, sessions: list = SESSIONS
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Stream ``sessions`` through the engine: each session's audio out, tokens, input."""
     step_fn = engine.lm_gen.step
     batch_tokens: list = []
     engine.lm_gen.step = lambda codes: batch_tokens.append(step_fn(codes)) or batch_tokens[-1]
-    inputs = [signal(10 + i, n) for i, (_, _, n, _) in enumerate(SESSIONS)]
-    sent = [0] * len(SESSIONS)
-    outputs: list[list[np.ndarray]] = [[] for _ in SESSIONS]
-    tokens: list[list[np.ndarray]] = [[] for _ in SESSIONS]
-    last = max(start + n + len(skips) for _, start, n, skips in SESSIONS)
+    inputs = [signal(10 + i, n) for i, (_, _, n, _) in enumerate(sessions)]
+    sent = [0] * len(sessions)
+    outputs: list[list[np.ndarray]] = [[] for _ in sessions]
+    tokens: list[list[np.ndarray]] = [[] for _ in sessions]
+    last = max(start + n + len(skips) for _, start, n, skips in sessions)
     for step in range(last):
         rows = []
-        for i, (slot, start, n, skips) in enumerate(SESSIONS):
+        for i, (slot, start, n, skips) in enumerate(sessions):
             if step == start:
                 engine.open(slot, {})
             if step >= start and sent[i] < n and step not in skips:
                 rows.append(i)
         if not rows:
             continue
-        slots = np.array([SESSIONS[i][0] for i in rows])
+        slots = np.array([sessions[i][0] for i in rows])
         result = engine.step(slots, np.stack([inputs[i][sent[i]] for i in rows]))
+        where = engine.rows_of(slots)  # the slots' rows in LMGen's batch (row_buckets.py)
         for row, i in enumerate(rows):
             outputs[i].append(result.audio[row].copy())
             if sent[i] >= engine.delay_frames:
-                tokens[i].append(batch_tokens[-1][SESSIONS[i][0], :, 0].numpy())
+                tokens[i].append(batch_tokens[-1][where[row], :, 0].numpy())
             sent[i] += 1
-            if sent[i] == SESSIONS[i][2]:
-                engine.close(SESSIONS[i][0])
+            if sent[i] == sessions[i][2]:
+                engine.close(sessions[i][0])
     engine.lm_gen.step = step_fn
     return [np.stack(o) for o in outputs], [np.stack(t) for t in tokens], inputs
 
@@ -110,7 +90,7 @@ def test_every_session_equals_kyutais_batch1_loop(attention, depformer):
     try:
         outputs, tokens, inputs = run_sessions(engine)
         for out, tok, x in zip(outputs, tokens, inputs, strict=True):
-            ref_audio, ref_tokens = kyutai_loop(engine, x)
+            ref_audio, ref_tokens = server_loop(stock_models(engine, CONTEXT), x)
             np.testing.assert_array_equal(tok, ref_tokens)
             np.testing.assert_allclose(out, ref_audio, rtol=0, atol=1e-6)
     finally:
@@ -190,7 +170,7 @@ def test_lean_depformer_gives_the_stock_tokens_and_logits(depformer_context):
     with the unmasked attention over the ring's live slots gives stock moshi's tokens,
     and its logits in float64 up to the order of the sums (bit for bit on some CPUs; on
     an AVX-512 one SDPA adds the fewer keys in another order: 1e-15); a context of 8
-    holds the tiny preset's 4 steps, 2 wraps the ring (as hibiki-2b's 16 steps wrap its
+    holds the tiny preset's 4 steps, 2 wraps the ring (as hibiki-2b-class's 16 steps wrap its
     8), None sizes it by the steps."""
     import torch
     from moshi.models import LMGen, loaders
@@ -228,7 +208,7 @@ def test_lean_depformer_gives_the_stock_tokens_and_logits(depformer_context):
 def test_the_memory_plan_refuses_what_cannot_fit_with_the_numbers():
     from duplexserve.engine_bridge.moshi.memory import GIB, MemoryPlan, kv_bytes_per_slot
 
-    bf16 = kv_bytes_per_slot(24, 2048, 16, 3000, "bf16", 2)  # hibiki-2b
+    bf16 = kv_bytes_per_slot(24, 2048, 16, 3000, "bf16", 2)  # hibiki-2b-class
     int8 = kv_bytes_per_slot(24, 2048, 16, 3000, "int8", 2)
     assert bf16 == 24 * 2 * 3000 * 2048 * 2 and int8 < 0.52 * bf16
     free = 133 * GIB  # an H200 with the weights loaded

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sphn
-import websockets
+import websockets.asyncio.client
 
 from tests.conftest import start_server
 
@@ -135,7 +135,7 @@ def assert_same_voice(sent: np.ndarray, got: np.ndarray) -> None:
 
 
 async def converse(url: str, pcm: np.ndarray) -> Conversation:
-    async with websockets.connect(url, max_size=None) as ws:
+    async with websockets.asyncio.client.connect(url, max_size=None) as ws:
         client = KyutaiLikeClient(ws)
         await client.wait_handshake()
         await client.send_pcm(pcm)
@@ -171,7 +171,7 @@ def test_sixteen_sessions_at_once(moshi_server):
         async with contextlib.AsyncExitStack() as stack:
             for _ in range(16):
                 ws = await stack.enter_async_context(
-                    websockets.connect(moshi_server.ws("/api/chat"), max_size=None)
+                    websockets.asyncio.client.connect(moshi_server.ws("/api/chat"), max_size=None)
                 )
                 clients.append(KyutaiLikeClient(ws))
             # Every session holds its handshake before any audio is sent: served at once,
@@ -191,7 +191,8 @@ def test_sixteen_sessions_at_once(moshi_server):
 def test_ignored_kinds_and_bad_audio_cost_only_their_session(moshi_server):
     async def go():
         url = moshi_server.ws("/api/chat")
-        async with websockets.connect(url) as bad_ws, websockets.connect(url) as good_ws:
+        connect = websockets.asyncio.client.connect
+        async with connect(url) as bad_ws, connect(url) as good_ws:
             bad, good = KyutaiLikeClient(bad_ws), KyutaiLikeClient(good_ws)
             await bad.wait_handshake()
             await good.wait_handshake()
@@ -218,7 +219,7 @@ def test_ignored_kinds_and_bad_audio_cost_only_their_session(moshi_server):
 
 
 async def refused(url: str) -> tuple[list[str], int | None]:
-    async with websockets.connect(url) as ws:
+    async with websockets.asyncio.client.connect(url) as ws:
         client = KyutaiLikeClient(ws)
         await client.read_to_close()
         assert client.result.handshake == b""
@@ -229,7 +230,7 @@ def test_full_server_sends_an_error_then_closes(server_factory):
     server = server_factory("--max-sessions", "1")
 
     async def go():
-        async with websockets.connect(server.ws("/api/chat")) as first:
+        async with websockets.asyncio.client.connect(server.ws("/api/chat")) as first:
             await KyutaiLikeClient(first).wait_handshake()
             return await refused(server.ws("/api/chat"))
 

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-import websockets
+import websockets.asyncio.client
 
 FLAGS = ("--engine", "moshi", "--moshi-preset", "tiny", "--moshi-greedy", "--moshi-threads", "1")
 FRAMES = 24
@@ -26,7 +26,7 @@ def audio(seed: int, frames: int = FRAMES) -> np.ndarray:
 async def session(url: str, x: np.ndarray, close_early: bool = False) -> np.ndarray:
     """Send ``x`` in 160 ms messages; return the output frames received."""
     out: list[np.ndarray] = []
-    async with websockets.connect(url, max_size=None) as ws:
+    async with websockets.asyncio.client.connect(url, max_size=None) as ws:
         created = json.loads(await ws.recv())
         assert created["type"] == "session.created" and created["engine"] == "moshi"
 

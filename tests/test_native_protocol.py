@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-import websockets
+import websockets.asyncio.client
 
 from tests.native_client import converse, signal
 
@@ -169,7 +169,7 @@ def test_delay_frames_answers_with_silence_first(server_factory):
 
 # ----------------------------------------------------------------------------- bad input
 async def _expect_close(url: str, *messages: bytes | str) -> tuple[list[dict], int | None]:
-    async with websockets.connect(url, compression=None, max_size=None) as ws:
+    async with websockets.asyncio.client.connect(url, compression=None, max_size=None) as ws:
         await ws.recv()
         events = []
         for m in messages:
@@ -235,7 +235,7 @@ def test_unknown_event_is_an_error_and_the_session_goes_on(echo_server):
 
 def test_unsupported_format_in_query_is_refused_before_audio(echo_server):
     async def scenario():
-        async with websockets.connect(echo_server.ws(query="input_format=mp3")) as ws:
+        async with websockets.asyncio.client.connect(echo_server.ws(query="input_format=mp3")) as ws:
             first = json.loads(await ws.recv())
             with contextlib.suppress(websockets.ConnectionClosed):
                 await ws.recv()
@@ -252,11 +252,11 @@ def test_over_max_sessions_gets_1013_and_ready_says_503(server_factory):
     server = server_factory("--max-sessions", "2")
 
     async def scenario():
-        a = await websockets.connect(server.ws(), compression=None)
-        b = await websockets.connect(server.ws(), compression=None)
+        a = await websockets.asyncio.client.connect(server.ws(), compression=None)
+        b = await websockets.asyncio.client.connect(server.ws(), compression=None)
         await a.recv(), await b.recv()
         ready = httpx.get(server.http + "/ready").status_code
-        async with websockets.connect(server.ws(), compression=None) as c:
+        async with websockets.asyncio.client.connect(server.ws(), compression=None) as c:
             err = json.loads(await c.recv())
             with pytest.raises(websockets.ConnectionClosed):
                 await c.recv()

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import websockets
+import websockets.asyncio.client
 
 from tests.conftest import ServerProcess, free_port
 
@@ -112,7 +112,7 @@ class Live:
 
     @classmethod
     async def open(cls, url: str) -> Live:
-        ws = await websockets.connect(url, compression=None, max_size=None, open_timeout=10)
+        ws = await websockets.asyncio.client.connect(url, compression=None, max_size=None, open_timeout=10)
         created = json.loads(await asyncio.wait_for(ws.recv(), 10))
         assert created["type"] == "session.created", created
         return cls(ws, created)

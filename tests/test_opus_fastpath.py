@@ -18,7 +18,7 @@ import time
 import pytest
 import uvicorn
 import uvloop
-import websockets
+import websockets.asyncio.client
 
 from duplexserve.codecs import MODEL_RATE, AudioFormat, make_encoder
 from duplexserve.codecs.procpool import FAILED, OK, CodecProcesses
@@ -74,7 +74,7 @@ class InProcessServer:
 async def kyutai_session(url: str, messages: list[bytes]) -> tuple[list[bytes], list[str], int | None]:
     """Kyutai's client at /api/chat: the handshake, then ``0x01`` + pages, all at once."""
     audio, errors = [], []
-    async with websockets.connect(url, compression=None) as ws:
+    async with websockets.asyncio.client.connect(url, compression=None) as ws:
         assert (await asyncio.wait_for(ws.recv(), 10))[0] == 0x00
         for m in messages:
             await ws.send(b"\x01" + m)
@@ -206,7 +206,7 @@ def test_reading_pauses_while_decoded_frames_wait_for_a_slow_engine(path):
 
         async def main() -> int:
             url = server.ws("/api/chat") if path == "moshi" else server.ws(query=query(OPUS, OPUS))
-            async with websockets.connect(url, compression=None, max_size=None) as ws:
+            async with websockets.asyncio.client.connect(url, compression=None, max_size=None) as ws:
                 await ws.recv()  # session.created, or the handshake byte
                 for k in range(count):  # the reader takes any page after the headers
                     await ws.send(prefix + (first if k == 0 else rest[k % len(rest)]))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-import websockets
+import websockets.asyncio.client
 from openai.types.realtime import RealtimeServerEvent
 from pydantic import TypeAdapter
 
@@ -280,11 +280,13 @@ def append(pcm: bytes) -> str:
 def test_browser_subprotocol_key_is_accepted_and_realtime_selected(rt_server):
     async def go():
         url = rt_server.ws("/v1/realtime", "model=x")
-        async with websockets.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as ws:
+        key = f"openai-insecure-api-key.{KEY}"
+        async with websockets.asyncio.client.connect(url, subprotocols=["realtime", key]) as ws:
             assert ws.subprotocol == "realtime"
             (created,) = await raw_events(ws, 1)
             assert created["type"] == "session.created" and created["session"]["model"] == "x"
-        async with websockets.connect(url, subprotocols=["realtime", "openai-insecure-api-key.wrong"]) as ws:
+        wrong = "openai-insecure-api-key.wrong"
+        async with websockets.asyncio.client.connect(url, subprotocols=["realtime", wrong]) as ws:
             assert ws.subprotocol == "realtime"
             (error,) = await raw_events(ws, 1)
             with pytest.raises(websockets.ConnectionClosed):
@@ -301,8 +303,8 @@ def test_bad_input_gets_error_events_and_costs_only_its_session(rt_server):
     async def go():
         url = rt_server.ws("/v1/realtime")
         async with (
-            websockets.connect(url, additional_headers=headers, max_size=None) as bad,
-            websockets.connect(url, additional_headers=headers) as good,
+            websockets.asyncio.client.connect(url, additional_headers=headers, max_size=None) as bad,
+            websockets.asyncio.client.connect(url, additional_headers=headers) as good,
         ):
             await raw_events(bad, 1)
             await raw_events(good, 1)
@@ -359,7 +361,8 @@ def test_a_commit_needs_100_ms_of_audio_since_the_last_commit_or_clear(rt_server
     commit = json.dumps({"type": "input_audio_buffer.commit", "event_id": "c1"})
 
     async def go() -> list[dict[str, Any]]:
-        async with websockets.connect(rt_server.ws("/v1/realtime"), additional_headers=headers) as ws:
+        url = rt_server.ws("/v1/realtime")
+        async with websockets.asyncio.client.connect(url, additional_headers=headers) as ws:
             await raw_events(ws, 1)
             for msg in (
                 commit,  # nothing appended
@@ -396,7 +399,8 @@ def test_g711_beta_and_ga_formats_in_one_update(rt_server):
 
     async def go():
         headers = {"Authorization": f"Bearer {KEY}", "OpenAI-Beta": "realtime=v1"}
-        async with websockets.connect(rt_server.ws("/v1/realtime"), additional_headers=headers) as ws:
+        url = rt_server.ws("/v1/realtime")
+        async with websockets.asyncio.client.connect(url, additional_headers=headers) as ws:
             await raw_events(ws, 1)
             await ws.send(
                 json.dumps(
@@ -443,9 +447,9 @@ def test_full_server_refuses_with_an_error_event_then_1013(server_factory):
 
     async def go():
         url = server.ws("/v1/realtime")
-        async with websockets.connect(url) as first:
+        async with websockets.asyncio.client.connect(url) as first:
             await raw_events(first, 1)
-            async with websockets.connect(url, subprotocols=["realtime"]) as second:
+            async with websockets.asyncio.client.connect(url, subprotocols=["realtime"]) as second:
                 (error,) = await raw_events(second, 1)
                 with pytest.raises(websockets.ConnectionClosed):
                     await second.recv()

@@ -7,9 +7,10 @@ import json
 import signal as signals
 import time
 
+import httpx
 import numpy as np
 import pytest
-import websockets
+import websockets.asyncio.client
 
 from duplexserve.server.resume import ResumeRegistry
 from duplexserve.server.session import Limits, Session
@@ -38,7 +39,7 @@ def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
 
 
 async def refused(url: str) -> tuple[dict, int | None]:
-    async with websockets.connect(url) as ws:
+    async with websockets.asyncio.client.connect(url) as ws:
         first = json.loads(await ws.recv())
         with pytest.raises(websockets.ConnectionClosed):
             await ws.recv()
@@ -149,7 +150,7 @@ def test_last_frame_out_of_range_is_refused_and_keeps_the_token(echo_server, las
 
 
 def test_expiry_frees_the_slot_and_the_token(server_factory):
-    server = server_factory("--max-sessions", "1", "--resume-grace-s", "3")
+    server = server_factory("--max-sessions", "2", "--resume-grace-s", "3")
 
     async def go() -> None:
         _, chunks = f32_chunks(10, 16)
@@ -161,8 +162,6 @@ def test_expiry_frees_the_slot_and_the_token(server_factory):
         await asyncio.to_thread(
             wait_until, lambda: server.metrics()["duplexserve_sessions_detached"] == 1, "the detach"
         )
-        first, code = await refused(server.ws())  # the detached session holds the only slot
-        assert first["code"] == "server_unavailable" and code == 1013
         await asyncio.to_thread(
             wait_until, lambda: server.metrics()["duplexserve_sessions_active"] == 0, "the expiry"
         )
@@ -175,7 +174,76 @@ def test_expiry_frees_the_slot_and_the_token(server_factory):
     metrics = server.metrics()
     assert metrics['duplexserve_session_resumes_total{outcome="expired"}'] == 1
     assert metrics['duplexserve_session_resumes_total{outcome="refused"}'] == 1
+    assert metrics['duplexserve_session_resumes_total{outcome="evicted"}'] == 0
     assert metrics["duplexserve_frames_dropped_total"] == 0  # all 5 were answered before the drop
+
+
+async def connect_and_abort(url: str, frames: int = 0) -> str:
+    """Open a session, send ``frames`` frames and read their answers, then vanish; its token."""
+    _, chunks = f32_chunks(max(frames, 1), seed=frames)
+    client = ResumingClient(url, chunks)
+    await client.open()
+    if frames:
+        await client.send(frames)
+        await client.wait_frames(frames)
+    client.drop()
+    return client.token
+
+
+def test_a_full_server_of_detached_sessions_admits_a_full_set_of_new_ones(server_factory):
+    """PROTOCOL.md, "Under pressure": detached sessions never keep live ones out."""
+    server = server_factory("--max-sessions", "16", "--max-detached", "16")
+
+    async def go() -> None:
+        tokens = await asyncio.gather(*(connect_and_abort(server.ws(), 3) for _ in range(16)))
+        await asyncio.to_thread(
+            wait_until, lambda: server.metrics()["duplexserve_sessions_detached"] == 16, "16 detaches"
+        )
+        assert server.metrics()["duplexserve_ready"] == 1  # every slot could be freed
+        inputs = [f32_chunks(12, seed=100 + i) for i in range(16)]
+        results = await asyncio.gather(*(converse(server.ws(), chunks) for _, chunks in inputs))
+        for (audio, _), res in zip(inputs, results, strict=True):
+            assert res.closed["reason"] == "completed", res.closed
+            assert b"".join(res.frames) == audio  # every frame of every new session, exact
+        first, code = await refused(f"{server.ws()}?resume={tokens[0]}&last_frame=2")
+        assert first["code"] == "resume_failed" and code == 1008  # evicted: refused as expired
+
+    run(go())
+    metrics = server.metrics()
+    assert metrics['duplexserve_session_resumes_total{outcome="evicted"}'] == 16
+    assert metrics["duplexserve_sessions_detached"] == 0
+
+
+def test_a_storm_of_vanishing_clients_never_makes_the_server_unready(server_factory):
+    """200 connect-and-abort clients on 256 slots: /ready stays 200 throughout, at most
+    --max-detached (a quarter of the slots) stay detached, the oldest give way first."""
+    server = server_factory("--max-sessions", "256")
+
+    async def go() -> list[str]:
+        storm = asyncio.gather(*(connect_and_abort(server.ws()) for _ in range(200)))
+        async with httpx.AsyncClient() as http:
+            while not storm.done():
+                assert (await http.get(server.http + "/ready")).status_code == 200
+                await asyncio.sleep(0.02)
+        return await storm
+
+    tokens = run(go())
+    wait_until(lambda: server.metrics()["duplexserve_sessions_detached"] == 64, "64 detached")
+    metrics = server.metrics()
+    assert metrics["duplexserve_ready"] == 1
+    assert metrics['duplexserve_session_resumes_total{outcome="evicted"}'] == 136
+
+    async def resumes() -> tuple[int, int]:
+        results = [await refused_or_resumed(server.ws(), token) for token in tokens]
+        return results.count("session.resumed"), results.count("error")
+
+    resumed, refused_ = run(resumes())
+    assert (resumed, refused_) == (64, 136)
+
+
+async def refused_or_resumed(url: str, token: str) -> str:
+    async with websockets.asyncio.client.connect(f"{url}?resume={token}&last_frame=-1") as ws:
+        return json.loads(await ws.recv())["type"]
 
 
 def test_resume_replaces_a_half_open_connection(echo_server):
@@ -323,7 +391,7 @@ def test_a_drain_ends_detached_sessions_at_once(server_factory):
 
 
 def test_sixty_four_sessions_drop_and_resume_while_others_stream(server_factory):
-    server = server_factory("--max-sessions", "96")
+    server = server_factory("--max-sessions", "96", "--max-detached", "64")  # all 64 may wait at once
 
     async def steady(seed: int) -> bool:
         audio, chunks = f32_chunks(60, seed)

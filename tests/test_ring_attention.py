@@ -65,7 +65,7 @@ CHECKS = textwrap.dedent(
     assert err < 1e-5, err
     print("mimi max error", err)
 
-    # The depformer's codebook loop (16 steps over a ring of 8 wrap it, as hibiki-2b's do).
+    # The depformer's codebook loop (16 steps over a ring of 8 wrap it, as hibiki-2b-class's do).
     kwargs = {**TINY_LM, "dep_q": 16, "delays": [0] * 17, "n_q": 16}
     stock = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
     lean = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)

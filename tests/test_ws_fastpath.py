@@ -14,7 +14,7 @@ import json
 import struct
 
 import pytest
-import websockets
+import websockets.asyncio.client
 
 from tests import raw_ws
 from tests.native_client import signal
@@ -33,7 +33,7 @@ def test_fragments_and_pings_between_audio_are_served_in_order(server_factory, w
     audio = signal(6, seed=3).tobytes()
 
     async def main() -> tuple[list[bytes], dict]:
-        async with websockets.connect(server.ws(), compression=None) as ws:
+        async with websockets.asyncio.client.connect(server.ws(), compression=None) as ws:
             created = json.loads(await ws.recv())
             await ws.send(audio[:FRAME_BYTES])  # one whole frame
             # One message in three fragments, a ping answered in the middle of it.
@@ -60,7 +60,7 @@ def test_invalid_utf8_in_a_text_message_closes_1007(server_factory, ws_impl):
     server = server_factory("--ws", ws_impl)
 
     async def main() -> int | None:
-        async with websockets.connect(server.ws(), compression=None) as ws:
+        async with websockets.asyncio.client.connect(server.ws(), compression=None) as ws:
             await ws.recv()
             await ws.send(b'{"type": "ping", "id": "\xff"}', text=True)  # not UTF-8
             with pytest.raises(websockets.ConnectionClosed):
@@ -80,7 +80,7 @@ def test_a_frame_over_the_hard_limit_closes_1009(server_factory, ws_impl):
 
     async def main() -> tuple[list[dict], int | None]:
         events = []
-        async with websockets.connect(server.ws(), compression=None) as ws:
+        async with websockets.asyncio.client.connect(server.ws(), compression=None) as ws:
             await ws.recv()
             await ws.send(b"\0" * 60000)  # past uvicorn's ws_max_size (2 x 20000 + 1024)
             with pytest.raises(websockets.ConnectionClosed):
@@ -142,7 +142,7 @@ def test_a_client_sending_faster_than_the_engine_is_held_back_by_tcp(server_fact
     frame = signal(1, seed=5).tobytes()
 
     async def main() -> tuple[int, int]:
-        async with websockets.connect(server.ws(), compression=None, max_size=None) as ws:
+        async with websockets.asyncio.client.connect(server.ws(), compression=None, max_size=None) as ws:
             await ws.recv()
             sent = 0
             try:
@@ -160,3 +160,21 @@ def test_a_client_sending_faster_than_the_engine_is_held_back_by_tcp(server_fact
     sent, received = run(main())
     assert sent < 4000, "the server read everything: no backpressure"
     assert received == 20
+
+
+def test_the_fast_path_runs_where_the_libraries_have_what_it_reads(caplog, monkeypatch):
+    """The installed uvicorn and websockets have every internal the fast path reads (the
+    lowest versions pyproject admits too: scripts/test-lowest.sh); where one is missing the
+    server serves on uvicorn's own protocol and says why, once."""
+    from duplexserve.server import run as run_module
+    from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
+
+    assert fast_path_problem() is None
+    assert run_module.websocket_protocol("fast") is FastWebSocketProtocol
+    assert run_module.websocket_protocol("websockets-sansio") == "websockets-sansio"
+    missing = "uvicorn 0.35.0, websockets 13.0 lack uvicorn close_timer"
+    monkeypatch.setattr(run_module, "fast_path_problem", lambda: missing)
+    with caplog.at_level("WARNING", logger="duplexserve"):
+        assert run_module.websocket_protocol("fast") == "websockets-sansio"
+    (record,) = [r for r in caplog.records if "fast path off" in r.getMessage()]
+    assert missing in record.getMessage() and "uvicorn>=0.53" in record.getMessage()

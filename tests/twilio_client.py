@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-import websockets
+import websockets.asyncio.client
 
 CHUNK = 160  # 20 ms of mu-law at 8 kHz
 MULAW_8K = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
@@ -62,7 +62,7 @@ class FakeTwilio:
 
     # ------------------------------------------------------------ Twilio -> app
     async def open(self, start: bool = True) -> None:
-        self._ws = await websockets.connect(self.url, compression=None, max_size=None)
+        self._ws = await websockets.asyncio.client.connect(self.url, compression=None, max_size=None)
         self._reader = asyncio.create_task(self._read())
         await self.send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
         if start:

@@ -65,11 +65,25 @@ def pct(values, q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
+def _open_live(engine, built: int, live: int) -> np.ndarray:
+    """Open every slot, then close all but ``live`` of them, spread over the slots: what
+    is left once sessions have ended, the live ones in rows the engine moves down."""
+    for slot in range(built):
+        engine.open(slot, {})
+    keep = np.unique(np.linspace(0, built - 1, live).round().astype(int))
+    for slot in np.setdiff1d(np.arange(built), keep).tolist():
+        engine.close(slot)
+    return keep
+
+
 def cmd_steps(args: argparse.Namespace) -> None:
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine
 
     batches = [int(b) for b in args.batches.split(",")]
-    engine = MoshiEngine(batches[0], args.preset, device=args.device, context=args.context)
+    lives = [int(n) for n in args.live.split(",")] if args.live else []
+    engine = MoshiEngine(
+        batches[0], args.preset, device=args.device, context=args.context, kv_dtype=args.kv_dtype
+    )
     t = time.perf_counter()
     engine.start()
     print(f"built {args.preset} in {time.perf_counter() - t:.1f} s", flush=True)
@@ -78,49 +92,61 @@ def cmd_steps(args: argparse.Namespace) -> None:
     time.sleep(0.5)
     idle = probe.take()
     rows = []
+    cuda = engine.device.type == "cuda"
     for b in batches:
         if b != engine.num_slots:
             engine.resize(b)
-        slots = np.arange(b)
-        frames = (np.random.default_rng(0).standard_normal((b, FRAME)) * 0.05).astype(np.float32)
-        for _ in range(5):
-            engine.step(slots, frames)
-        probe.take()
-        wall, cpu = [], []
-        for _ in range(args.steps):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            engine.step(slots, frames)
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-        late = probe.take()
-        mem = engine._torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else 0.0
-        row = {
-            "batch": b,
-            "step_ms_p50": 1000 * pct(wall, 50),
-            "step_ms_p90": 1000 * pct(wall, 90),
-            "engine_thread_cpu_ms_per_step": 1000 * statistics.mean(cpu),
-            "host_cpu_us_per_frame": 1e6 * statistics.mean(cpu) / b,
-            "gil_wait_ms_p50": 1000 * pct(late, 50),
-            "gil_wait_ms_p99": 1000 * pct(late, 99),
-            "gil_wait_ms_max": 1000 * max(late),
-            "gpu_max_allocated_gib": mem,
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        reserved = engine._torch.cuda.memory_reserved() / 2**30 if cuda else 0.0  # every bucket's graphs
+        for live in [n for n in lives if n <= b] or [b]:
+            slots = _open_live(engine, b, live)
+            frames = (np.random.default_rng(0).standard_normal((len(slots), FRAME)) * 0.05).astype(np.float32)
+            for _ in range(5):
+                engine.step(slots, frames)
+            probe.take()
+            wall, cpu = [], []
+            for _ in range(args.steps):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                engine.step(slots, frames)
+                wall.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+            late = probe.take()
+            for slot in slots.tolist():
+                engine.close(slot)
+            row = {
+                "batch": b,
+                "live": len(slots),
+                "step_ms_p50": 1000 * pct(wall, 50),
+                "step_ms_p90": 1000 * pct(wall, 90),
+                "engine_thread_cpu_ms_per_step": 1000 * statistics.mean(cpu),
+                "host_cpu_us_per_frame": 1e6 * statistics.mean(cpu) / len(slots),
+                "gil_wait_ms_p50": 1000 * pct(late, 50),
+                "gil_wait_ms_p99": 1000 * pct(late, 99),
+                "gil_wait_ms_max": 1000 * max(late),
+                "gpu_max_allocated_gib": engine._torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                "gpu_reserved_after_start_gib": reserved,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     probe.running = False
+    exact = {r["batch"]: r["step_ms_p50"] for r in rows if r["batch"] == r["live"]}
+    for r in rows:  # against an engine built for exactly the live count, where measured
+        r["vs_built_for_live"] = r["step_ms_p50"] / exact[r["live"]] if r["live"] in exact else None
     result = {
         "preset": args.preset,
         "context": args.context,
+        "kv_dtype": args.kv_dtype,
         "idle_gil_wait_ms_p99": 1000 * pct(idle, 99),
         "rows": rows,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'batch':>5} {'step p50':>9} {'p90':>7} {'cpu/step':>9} {'cpu/frame':>10}  GIL wait p50/p99/max")
+    print(f"{'built':>5} {'live':>5} {'step p50':>9} {'p90':>7} {'vs built':>8} {'cpu/step':>9} "
+          f"{'cpu/frame':>10}  GIL wait p50/p99/max")  # fmt: skip
     for r in rows:
+        ratio = f"{r['vs_built_for_live']:.2f}x" if r["vs_built_for_live"] else "-"
         print(
-            f"{r['batch']:>5} {r['step_ms_p50']:>7.1f}ms {r['step_ms_p90']:>5.1f}ms "
-            f"{r['engine_thread_cpu_ms_per_step']:>7.1f}ms {r['host_cpu_us_per_frame']:>8.0f}us "
+            f"{r['batch']:>5} {r['live']:>5} {r['step_ms_p50']:>7.1f}ms {r['step_ms_p90']:>5.1f}ms "
+            f"{ratio:>8} {r['engine_thread_cpu_ms_per_step']:>7.1f}ms {r['host_cpu_us_per_frame']:>8.0f}us "
             f"{r['gil_wait_ms_p50']:>6.2f}/{r['gil_wait_ms_p99']:.2f}/{r['gil_wait_ms_max']:.1f} ms"
         )
 
@@ -165,7 +191,7 @@ def scrape(port: int) -> dict[str, float]:
 async def one_session(
     url: str, audio: np.ndarray, start_at: float, message_frames: int, result: dict
 ) -> None:
-    import websockets
+    import websockets.asyncio.client
 
     n = len(audio) // FRAME
     sent = np.zeros(n)
@@ -173,7 +199,7 @@ async def one_session(
     received: list[float] = []
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, start_at - loop.time()))
-    async with websockets.connect(url, max_size=None, compression=None) as ws:
+    async with websockets.asyncio.client.connect(url, max_size=None, compression=None) as ws:
         json.loads(await ws.recv())
 
         async def sender() -> None:
@@ -485,16 +511,23 @@ def cmd_rtf(args: argparse.Namespace) -> None:
 
 
 def add_steps_arguments(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--preset", default="hibiki-2b")
-    s.add_argument("--batches", default="1,32,64,96,128,192")
+    s.add_argument("--preset", default="hibiki-2b-class")
+    s.add_argument("--batches", default="1,32,64,96,128,192", help="slot counts the engine is built for")
+    s.add_argument(
+        "--live",
+        default="",
+        help="sessions live in each built engine, a comma list (default: all its slots); the "
+        "others opened and closed first, so that the live ones are moved down",
+    )
     s.add_argument("--steps", type=int, default=50)
     s.add_argument("--device", default="auto")
     s.add_argument("--context", type=int, default=0)
+    s.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
     s.add_argument("--out", default="")
 
 
 def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
-    r.add_argument("--preset", default="hibiki-2b")
+    r.add_argument("--preset", default="hibiki-2b-class")
     r.add_argument("--sessions", type=int, default=64)
     r.add_argument("--seconds", type=float, default=60.0)
     r.add_argument("--message-ms", type=int, default=160)

@@ -205,7 +205,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One layer of the hibiki-2b shape (16 heads of 128, ring 3000), bf16 or int8."""
+    """One layer of the hibiki-2b-class shape (16 heads of 128, ring 3000), bf16 or int8."""
     import torch
     import torch.nn.functional as F
 
@@ -308,31 +308,12 @@ def _run_batched(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray
 
 
 def _kyutai(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Kyutai's batch-1 loop on stock modules holding the engine's weights."""
-    import torch
-    from moshi.models import LMGen, loaders
+    """Kyutai's batch-1 server loop on stock modules holding the engine's weights."""
+    from duplexserve.engine_bridge.moshi.reference import server_loop, stock_models
 
-    preset = engine.preset
-    device, dtype = engine.device, next(engine.lm_gen.lm_model.parameters()).dtype
-    mimi = loaders.get_mimi(None, preset.mimi, device=device, num_codebooks=preset.codebooks)
-    lm = loaders.get_moshi_lm(None, lm_kwargs=dict(preset.lm), device=device, dtype=dtype)
-    mimi.load_state_dict(engine.mimi.state_dict())
-    lm.load_state_dict(engine.lm_gen.lm_model.state_dict())
-    audio, tokens = [], []
-    for x in inputs:
-        lm_gen = LMGen(lm, use_sampling=False)
-        a, t = [], []
-        with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
-            for frame in x:
-                tok = lm_gen.step(mimi.encode(torch.from_numpy(frame).to(device).view(1, 1, -1)))
-                if tok is None:
-                    a.append(np.zeros(FRAME, np.float32))
-                else:
-                    t.append(tok[0, :, 0].cpu().numpy())
-                    a.append(mimi.decode(tok[:, 1:])[0, 0].float().cpu().numpy())
-        audio.append(np.stack(a))
-        tokens.append(np.stack(t))
-    return audio, tokens
+    models = stock_models(engine, engine.context)
+    runs = [server_loop(models, x, engine.cfg_coef) for x in inputs]
+    return [audio for audio, _ in runs], [tokens for _, tokens in runs]
 
 
 def _snr_db(signal: float, noise: float) -> float:
@@ -539,7 +520,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
     for name in ("breakdown", "attention", "agreement", "mimi"):
         p = sub.add_parser(name)
-        p.add_argument("--preset", default="hibiki-2b")
+        p.add_argument("--preset", default="hibiki-2b-class")
         p.add_argument("--batches", default="1,32,64,128,192,224")
         p.add_argument("--ages", default="375,2999", help="frames into each session (breakdown)")
         p.add_argument("--attention", default="stock,live")

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import websockets
+import websockets.asyncio.client
 
 FRAME_BYTES = 1920 * 4
 MESSAGE_FRAMES = 2  # 160 ms messages, as the RTF workload sends
@@ -66,7 +66,7 @@ async def paced_session(url: str, frames: int, vanish: bool, seed: int, report: 
     step = MESSAGE_FRAMES * FRAME_BYTES
     received: list[bytes] = []
     try:
-        async with websockets.connect(url, compression=None, max_size=None) as ws:
+        async with websockets.asyncio.client.connect(url, compression=None, max_size=None) as ws:
             await ws.recv()
 
             async def reader() -> None:

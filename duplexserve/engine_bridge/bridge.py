@@ -60,6 +60,9 @@ class Close:
 
 _CLOSE = Close()
 _TICK_SLICE_S = 0.01  # between ticks, drain the queue this often
+_ALIVE_CHECK_S = 0.5  # while idle, ask the engine this often whether it is alive
+#: Why an engine was restarted: a step raised, its process died, or a step never returned.
+RESTART_CAUSES = ("step_failed", "engine_died", "stalled")
 _STOP = object()
 
 
@@ -95,6 +98,9 @@ class BridgeCounts:
     catch_up_frames: int = 0
     engine_errors: int = 0
     engine_restarts: int = 0
+    #: Sessions ended by restarts, per cause (:data:`RESTART_CAUSES`): every session the
+    #: failed engine held lost its model state.
+    sessions_ended_by_restart: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class EngineBridge:
@@ -140,7 +146,7 @@ class EngineBridge:
         # Engine -> loop.
         self._results: collections.deque[StepOutput] = collections.deque()
         self._wake_pending = False
-        self._params: dict[int, dict[str, Any]] = {}  # open slots, to reopen after a restart
+        self._open: dict[int, int] = {}  # open slot: its generation (all end if the engine does)
         self.running = False  # False while starting, restarting or stopped: /ready says 503
         self.abandoned = False  # set when a stalled engine is replaced: its thread exits
         self.step_started = 0.0  # monotonic start of the step in progress, 0 when idle
@@ -279,7 +285,13 @@ class EngineBridge:
         try:
             while True:
                 if not batcher.pending:  # idle: block for work, then let a batch gather
-                    if self._take_all(sync_q.get()):
+                    try:
+                        entry = sync_q.get(timeout=_ALIVE_CHECK_S)
+                    except janus.SyncQueueEmpty:  # idle sessions learn of a dead engine too
+                        if self._open and not self.engine.alive():
+                            self._restart("engine_died")
+                        continue
+                    if self._take_all(entry):
                         return
                     if coalesce_s:
                         time.sleep(coalesce_s)
@@ -328,24 +340,29 @@ class EngineBridge:
             return True
         if payload.__class__ is Open:
             self._batcher.open(slot, generation)
-            self._params[slot] = payload.params
+            self._open[slot] = generation
             try:
                 self.engine.open(slot, payload.params)
             except Exception:
                 log.exception("engine.open failed for slot %d", slot)
-                self._fail_slot(slot, generation, "engine_error")
+                if not self.engine.alive():
+                    self._restart("engine_died")
+                else:
+                    self._fail_slot(slot, generation, "engine_error")
         else:
             self._batcher.close(slot)
-            self._params.pop(slot, None)
+            self._open.pop(slot, None)
             try:
                 self.engine.close(slot)
             except Exception:
                 log.exception("engine.close failed for slot %d", slot)
+                if not self.engine.alive():
+                    self._restart("engine_died")
         return False
 
     def _fail_slot(self, slot: int, generation: int, error: str) -> None:
         self._batcher.close(slot)
-        self._params.pop(slot, None)
+        self._open.pop(slot, None)
         self.counts.engine_errors += 1
         self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
 
@@ -357,12 +374,10 @@ class EngineBridge:
         self.step_started = time.monotonic()
         try:
             result = self.engine.step(slots, frames)
-        except Exception:  # a failed step fails its batch, not the server
+        except Exception:  # a failed step fails the engine's sessions, not the server
             self.step_started = 0.0
-            log.exception("engine step failed for %d sessions; restarting the engine", len(slots))
-            self.counts.engine_errors += 1
-            self._publish(StepOutput(slots, generations, None, {}, "engine_error"))
-            self._restart(slots.tolist())
+            log.exception("engine step failed for %d sessions", len(slots))
+            self._restart("step_failed" if self.engine.alive() else "engine_died")
             return
         self.step_started = 0.0
         out = StepOutput(slots, generations, result.audio, result.text)
@@ -378,16 +393,27 @@ class EngineBridge:
             self.on_step(out)
         self._publish(out)
 
-    def _restart(self, failed: list[int]) -> None:
-        """Rebuild the engine's state on this thread after a failed step.
+    def _restart(self, cause: str) -> None:
+        """Start the engine anew on this thread after it failed (``cause``).
 
-        The failed batch's slots are closed (the loop fails their sessions); every other
-        open slot is reopened fresh, so those sessions go on, frames still in order.
+        Its model state is gone for every session it held, whatever batch each was in, so
+        every open slot ends with ``engine_error`` (PROTOCOL.md, Guarantees): a session
+        never goes on silently on a fresh state. The new engine starts with no slot open.
         """
         self.running = False
-        for slot in failed:
+        lost, self._open = self._open, {}
+        for slot in lost:
             self._batcher.close(slot)
-            self._params.pop(slot, None)
+        self.counts.engine_errors += 1
+        self.counts.sessions_ended_by_restart[cause] += len(lost)
+        log.error(
+            "engine restart (cause: %s): %d sessions lost their model state and end with engine_error",
+            cause,
+            len(lost),
+        )
+        if lost:
+            slots, generations = np.fromiter(lost, np.int64), np.fromiter(lost.values(), np.int64)
+            self._publish(StepOutput(slots, generations, None, {}, "engine_error"))
         try:
             self.engine.stop()
         except Exception:
@@ -396,8 +422,6 @@ class EngineBridge:
         while not self.abandoned:
             try:
                 self.engine.start()
-                for slot, params in self._params.items():
-                    self.engine.open(slot, params)
             except Exception:
                 log.exception("engine restart failed; retrying in %.1f s", delay)
                 time.sleep(delay)

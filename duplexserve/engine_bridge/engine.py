@@ -38,6 +38,11 @@ class Engine(ABC):
     def start(self) -> None:  # noqa: B027 - optional hook
         """Load weights, allocate state, warm up. Runs on the engine thread."""
 
+    def alive(self) -> bool:
+        """False once the engine cannot go on (its process died): the bridge then ends
+        every session it held and starts it again. Checked when idle and after a failure."""
+        return True
+
     @abstractmethod
     def open(self, slot: int, params: dict[str, Any]) -> None:
         """Give ``slot`` a fresh state for a new session."""

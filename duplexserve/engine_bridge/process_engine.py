@@ -44,6 +44,7 @@ class ProcessEngine(Engine):
         self._proc: mp.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._shm: list[SharedMemory] = []
+        self._lost = False
 
     def start(self) -> None:
         size = self.num_slots * self.frame_samples * 4
@@ -61,6 +62,7 @@ class ProcessEngine(Engine):
             daemon=True,
         )
         self._proc.start()
+        self._lost = False
         child.close()
         self._conn = parent
         self._call(("start",))
@@ -73,10 +75,14 @@ class ProcessEngine(Engine):
             conn.send(message)
             status, value = conn.recv()  # blocks with the GIL released
         except (EOFError, OSError, BrokenPipeError) as exc:
+            self._lost = True  # the pipe broke: it is dead even if not yet reaped
             raise EngineProcessError("engine process died") from exc
         if status != "ok":
             raise EngineProcessError(value)
         return value
+
+    def alive(self) -> bool:
+        return not self._lost and self._proc is not None and self._proc.is_alive()
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._call(("open", slot, params))

@@ -67,6 +67,7 @@ class DuplexApp:
             coalesce_ms=config.engine_coalesce_ms,
             tick_ms=config.engine_tick_ms,
             resume_grace_s=config.resume_grace_s,
+            max_detached=config.max_detached,
             late_frame_ms=config.late_frame_ms,
             engine_factory=None if engine else lambda: build_engine(config),
         )

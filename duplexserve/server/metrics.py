@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from duplexserve.engine_bridge.bridge import StepOutput
+from duplexserve.engine_bridge.bridge import RESTART_CAUSES, StepOutput
 from duplexserve.server.gc_pauses import GcPauses
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.turnaround import BUCKETS as TURNAROUND_BUCKETS
@@ -36,10 +36,14 @@ class ServerCollector(Collector):
             orch.resume.detached,
         )
         resumes = CounterMetricFamily(
-            "duplexserve_session_resumes", "resume outcomes: resumed, expired, refused", labels=["outcome"]
+            "duplexserve_session_resumes",
+            "resume outcomes: resumed, expired, refused, evicted",
+            labels=["outcome"],
         )
         rc = orch.resume.counts
-        for outcome, value in (("resumed", rc.resumed), ("expired", rc.expired), ("refused", rc.refused)):
+        for outcome, value in (
+            ("resumed", rc.resumed), ("expired", rc.expired), ("refused", rc.refused), ("evicted", rc.evicted)
+        ):
             resumes.add_metric([outcome], value)
         yield resumes
         turn = orch.turnaround
@@ -81,6 +85,15 @@ class ServerCollector(Collector):
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):
             yield CounterMetricFamily(f"duplexserve_{name}", help_text, value=value)
+        ended = CounterMetricFamily(
+            "duplexserve_engine_restart_sessions_ended",
+            "sessions ended with engine_error because the engine that held their model state failed "
+            "and was restarted, by cause (step_failed, engine_died, stalled)",
+            labels=["cause"],
+        )
+        for cause in RESTART_CAUSES:
+            ended.add_metric([cause], bridge.sessions_ended_by_restart[cause])
+        yield ended
         usage = resource.getrusage(resource.RUSAGE_SELF)
         yield CounterMetricFamily(
             "duplexserve_voluntary_context_switches", "voluntary context switches, all threads",

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 #: How long the loop lets sessions send their answers before it polls its sockets again.
 DISPATCH_SLICE_S = 0.002
 DISPATCH_CHECK_ROWS = 16  # sessions between two looks at the clock
+#: What a session hears when the engine holding its model state failed (PROTOCOL.md, Guarantees).
+_ENGINE_LOST = "the engine failed and restarts: this conversation's model state is lost"
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class Orchestrator:
         coalesce_ms: float = 0.0,
         tick_ms: float = 0.0,
         resume_grace_s: float = 0.0,
+        max_detached: int = -1,
         late_frame_ms: float = 200.0,
     ) -> None:
         self.engine = engine
@@ -82,6 +85,8 @@ class Orchestrator:
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.resume = ResumeRegistry(resume_grace_s, self._expire)
+        #: Detached sessions kept at most; past it the one detached longest ends.
+        self.max_detached = max_detached if max_detached >= 0 else max(1, engine.num_slots // 4)
         self.turnaround = TurnaroundTotals(late_frame_ms / 1000.0)
         #: Sessions with answers to send, in the order they were touched (:meth:`_on_outputs`).
         self._touched: dict[int, Session] = {}
@@ -148,7 +153,12 @@ class Orchestrator:
 
     @property
     def ready(self) -> bool:
-        return self.bridge.running and not self.draining and bool(self._free)
+        return self.bridge.running and not self.draining and self._has_room
+
+    @property
+    def _has_room(self) -> bool:
+        """A slot is free, or one that a detached session holds can be freed for a new one."""
+        return bool(self._free) or self.resume.detached > 0
 
     def refusal(self, client: str | None) -> tuple[int, str, str] | None:
         """Why a new session from ``client`` cannot be admitted now, or None.
@@ -160,7 +170,7 @@ class Orchestrator:
             return errors.TRY_AGAIN, "server_unavailable", "server is draining, try again later"
         if not self.bridge.running:
             return errors.TRY_AGAIN, "server_unavailable", "engine is not ready, try again later"
-        if not self._free:
+        if not self._has_room:
             return errors.TRY_AGAIN, "server_unavailable", "server is full, try again later"
         limit = self.max_sessions_per_client
         if limit and client and self._per_client[client] >= limit:
@@ -177,6 +187,8 @@ class Orchestrator:
         if self.refusal(client) is not None:
             self.counts.sessions_rejected += 1
             return None
+        if not self._free:  # every slot taken, some by detached sessions: the oldest gives way
+            self._evict_oldest_detached()
         slot = self._free.pop()
         if client:
             self._per_client[client] += 1
@@ -226,7 +238,8 @@ class Orchestrator:
         """The connection of an open session ended: keep the session for a resume.
 
         False (and the session is closed ``disconnected``) when resume is off, the
-        session is not resumable or the server is draining.
+        session is not resumable or the server is draining; False too when keeping it
+        would pass ``max_detached`` with nothing detached before it (``--max-detached 0``).
         """
         entry = self.resume.entry_of(session)
         if session.closed:
@@ -237,7 +250,15 @@ class Orchestrator:
         assert self._loop is not None
         session.notify = no_notify
         self.resume.detach(entry, self._loop)
-        return True
+        while self.resume.detached > self.max_detached:
+            self._evict_oldest_detached()
+        return not session.closed
+
+    def _evict_oldest_detached(self) -> None:
+        session = self.resume.evict_oldest()
+        if session is not None:
+            log.info("session %s detached longest: evicted (resume_evicted)", session.id)
+            self.close(session, "resume_evicted", errors.GOING_AWAY)
 
     def _expire(self, session: Session) -> None:
         self.close(session, "resume_expired", errors.GOING_AWAY)
@@ -285,7 +306,7 @@ class Orchestrator:
                     if session is not None and session.generation == generation:
                         session.error(errors.SessionError(
                             out.error,
-                            getattr(out, "message", "") or "the engine failed on this session's audio",
+                            getattr(out, "message", "") or _ENGINE_LOST,
                             getattr(out, "close_code", errors.INTERNAL),
                         ))
                         touched[id(session)] = session
@@ -332,11 +353,16 @@ class Orchestrator:
     async def _rebuild_engine(self) -> None:
         """The engine is stuck in a step: fail every session and start a fresh engine."""
         stalled = self.bridge
-        log.error("engine step stalled for over %.1f s; failing all sessions", self.engine_stall_s)
+        lost = self.sessions()
+        log.error(
+            "engine restart (cause: stalled, a step ran over %.1f s): %d sessions lost their model "
+            "state and end with engine_error", self.engine_stall_s, len(lost),
+        )  # fmt: skip
         stalled.abandon()
-        for session in self.sessions():
+        stalled.counts.sessions_ended_by_restart["stalled"] += len(lost)
+        for session in lost:
             session.error(errors.SessionError(
-                "engine_error", "the engine stopped answering", errors.INTERNAL
+                "engine_error", f"the engine stopped answering; {_ENGINE_LOST}", errors.INTERNAL
             ))
             self._release(session)
             session.notify()

@@ -7,6 +7,10 @@ connection that presents the session's current token within ``grace_s`` takes it
 over. Tokens are single-use: every take-over issues a new one, so a token that leaked
 from an old connection cannot steal the session later.
 
+Detached sessions are kept in the order they detached, so that under pressure (a new
+session finds every slot taken, or more than ``--max-detached`` wait) the one detached
+longest is the one that gives way (PROTOCOL.md, "Under pressure").
+
 The registry knows sessions and an opaque ``owner`` (the connection holding the
 session, or None while detached) and ``state`` (what the adapter must carry over, such
 as its resamplers); it knows nothing of sockets.
@@ -42,6 +46,7 @@ class ResumeCounts:
     resumed: int = 0
     expired: int = 0
     refused: int = 0
+    evicted: int = 0
 
 
 class ResumeRegistry:
@@ -53,7 +58,7 @@ class ResumeRegistry:
         self._on_expire = on_expire
         self._by_token: dict[str, Resumable] = {}
         self._by_session: dict[int, Resumable] = {}  # id(session): entry
-        self._detached: set[Resumable] = set()
+        self._detached: dict[Resumable, None] = {}  # in the order they detached
 
     @property
     def enabled(self) -> bool:
@@ -65,6 +70,15 @@ class ResumeRegistry:
 
     def detached_sessions(self) -> list[Session]:
         return [entry.session for entry in self._detached]
+
+    def evict_oldest(self) -> Session | None:
+        """The session detached longest, counted as evicted; the caller closes it (which
+        calls :meth:`forget`, so its token is refused from then on). None if none waits."""
+        entry = next(iter(self._detached), None)
+        if entry is None:
+            return None
+        self.counts.evicted += 1
+        return entry.session
 
     def issue(self, session: Session, owner: Any, state: Any = None) -> Resumable:
         """Make ``session`` resumable; its first token."""
@@ -80,7 +94,7 @@ class ResumeRegistry:
         """The connection is gone; keep the session for ``grace_s``."""
         entry.owner = None
         entry.session.detached = True
-        self._detached.add(entry)
+        self._detached[entry] = None
         if entry.expiry is not None:
             entry.expiry.cancel()
         entry.expiry = loop.call_later(self.grace_s, self._expire, entry)
@@ -110,7 +124,7 @@ class ResumeRegistry:
         if entry.expiry is not None:
             entry.expiry.cancel()
             entry.expiry = None
-        self._detached.discard(entry)
+        self._detached.pop(entry, None)
         entry.session.detached = False
         return entry
 
@@ -131,7 +145,7 @@ class ResumeRegistry:
         if entry is None:
             return
         self._by_token.pop(entry.token, None)
-        self._detached.discard(entry)
+        self._detached.pop(entry, None)
         if entry.expiry is not None:
             entry.expiry.cancel()
             entry.expiry = None

@@ -19,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.config import ServerConfig
 from duplexserve.server.app import DuplexApp, create_app
-from duplexserve.server.ws_protocol import FastWebSocketProtocol
+from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
 
 log = logging.getLogger("duplexserve")
 
@@ -119,6 +119,22 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def websocket_protocol(ws: str) -> str | type[FastWebSocketProtocol]:
+    """``--ws fast`` where the installed uvicorn and websockets have what the fast path
+    reads (checked once, here); otherwise uvicorn's own sans-I/O protocol, said once."""
+    if ws != "fast":
+        return ws
+    problem = fast_path_problem()
+    if problem is None:
+        return FastWebSocketProtocol
+    log.warning(
+        "WebSocket fast path off, serving on uvicorn's websockets-sansio protocol: %s "
+        "(the fast path needs uvicorn>=0.53 and websockets>=13; docs/architecture.md)",
+        problem,
+    )
+    return "websockets-sansio"
+
+
 def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
     return uvicorn.Config(
         app,
@@ -126,7 +142,7 @@ def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
         port=config.port,
         loop="uvloop",
         http=handshake_limited(config.handshake_timeout_s),
-        ws=FastWebSocketProtocol if config.ws == "fast" else config.ws,
+        ws=websocket_protocol(config.ws),
         ws_per_message_deflate=False,
         # A hard backstop above our own limit, which answers with an error event first.
         ws_max_size=2 * config.max_message_bytes + 1024,

@@ -39,6 +39,21 @@ FIN_BINARY = 0x82
 #: :meth:`FrameReader.next` handed a frame to websockets: read ``conn.events_received()``.
 HANDED = object()
 
+
+def _fragment_size_attribute() -> str | None:
+    """The name under which websockets keeps the size of the fragmented message being
+    received (None outside one): ``current_size`` from 16.0, ``cur_size`` in 13 to 15.
+    None if this version has neither, and then the fast path is not used (ws_protocol.py)."""
+    conn = ServerProtocol()
+    for name in ("current_size", "cur_size"):
+        if name in vars(conn) and getattr(conn, name) is None:
+            return name
+    return None
+
+
+#: Read once at import: which websockets attribute says "inside a fragmented message".
+FRAGMENT_SIZE = _fragment_size_attribute()
+
 _LENGTH16 = struct.Struct("!BBH")
 _LENGTH64 = struct.Struct("!BBQ")
 
@@ -121,7 +136,7 @@ class FrameReader:
             return self._hand(avail)  # refused from the header: unmasked (1002)
         common = (
             first in (FIN_BINARY, FIN_TEXT)
-            and conn.current_size is None  # not inside a fragmented message
+            and getattr(conn, FRAGMENT_SIZE) is None  # type: ignore[arg-type]  # not inside a fragment
             and not conn.extensions
         )
         refuse_over = self.refuse_over

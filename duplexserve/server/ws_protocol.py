@@ -15,20 +15,35 @@ then on
 - ``on_lost`` is called once when the connection is gone.
 
 Frames are read by :class:`duplexserve.server.ws_frames.FrameReader` (the common data
-frame here, everything else by websockets). Written against uvicorn 0.54 and websockets
-17, both pinned in pyproject.toml: the subclass reads their internals. An app that does
-not call ``start`` gets exactly uvicorn's behaviour.
+frame here, everything else by websockets). The subclass reads internals of both
+libraries (the attributes and methods listed below); :func:`fast_path_problem` checks
+once at start-up that the installed versions have them, and the server falls back to
+uvicorn's own ``websockets-sansio`` protocol when they do not. An app that does not
+call ``start`` gets exactly uvicorn's behaviour.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import uvicorn
+import websockets
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.server import ServerState
+from websockets.server import ServerProtocol
 
-from duplexserve.server.ws_frames import FIN_BINARY, FIN_TEXT, HANDED, FrameReader, Oversized, header
+from duplexserve.server.ws_frames import (
+    FIN_BINARY,
+    FIN_TEXT,
+    FRAGMENT_SIZE,
+    HANDED,
+    FrameReader,
+    Oversized,
+    header,
+)
 
 EXTENSION = "duplexserve.fast_socket"
 #: Corked frames are written once they reach this many bytes.
@@ -42,6 +57,51 @@ OnMessage = Callable[[Any], None]  # bytes (binary) or str (text)
 
 def _ignore(*_: Any) -> None:
     pass
+
+
+#: What the subclass reads of uvicorn's ``WebSocketsSansIOProtocol`` beyond the asyncio
+#: protocol interface: instance state set in ``__init__``, and the methods it overrides or calls.
+UVICORN_STATE = (
+    "config", "loop", "queue", "conn", "handshake_initiated", "handshake_complete", "close_sent",
+    "disconnected", "close_timer", "close_timeout", "read_paused", "writable", "frames",
+    "curr_msg_data_type",
+)  # fmt: skip
+UVICORN_METHODS = (
+    "handle_connect", "handle_events", "handle_parser_exception", "handle_ping",
+    "send_receive_event_to_app", "resume_writing", "connection_lost", "send",
+)  # fmt: skip
+#: And of websockets' sans-I/O ``ServerProtocol`` (besides ``current_size``/``cur_size``).
+WEBSOCKETS_STATE = ("state", "extensions", "parser_exc", "close_sent")
+WEBSOCKETS_METHODS = ("receive_data", "events_received", "data_to_send", "send_close", "fail")
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    """The probe's protocol is never connected: its app is never called."""
+
+
+def fast_path_problem() -> str | None:
+    """What the installed uvicorn or websockets lacks of the internals this module reads,
+    or None when the fast path can run. Checked once at start-up, on fresh instances."""
+    versions = f"uvicorn {uvicorn.__version__}, websockets {websockets.__version__}"
+    if FRAGMENT_SIZE is None:
+        return f"websockets' ServerProtocol has no current_size or cur_size ({versions})"
+    conn = ServerProtocol()
+    missing = [f"websockets ServerProtocol.{n}" for n in WEBSOCKETS_STATE if not hasattr(conn, n)]
+    missing += [f"websockets ServerProtocol.{n}()" for n in WEBSOCKETS_METHODS if not hasattr(conn, n)]
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(_no_app, ws="websockets-sansio")
+        config.load()
+        proto = WebSocketsSansIOProtocol(config, ServerState(), {}, _loop=loop)
+    except Exception as exc:  # a constructor of another shape
+        return f"uvicorn's WebSocketsSansIOProtocol could not be built ({exc!r}; {versions})"
+    finally:
+        loop.close()
+    missing += [f"uvicorn {n}" for n in UVICORN_STATE if not hasattr(proto, n)]
+    missing += [f"uvicorn {n}()" for n in UVICORN_METHODS if not callable(getattr(proto, n, None))]
+    if missing:
+        return f"{versions} lack{'s' if len(missing) == 1 else ''} {', '.join(missing)}"
+    return None
 
 
 class FastWebSocketProtocol(WebSocketsSansIOProtocol):

@@ -13,7 +13,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-import websockets
+import websockets.asyncio.client
 
 from tests.vllm_omni.conftest import assert_text_follows_its_audio, require_vllm_omni
 
@@ -148,7 +148,7 @@ def test_a_session_refused_by_vllm_omni_is_told_so(tmp_path):
         wait_ready(server)
 
         async def go():
-            async with websockets.connect(server.ws(), max_size=None) as first:
+            async with websockets.asyncio.client.connect(server.ws(), max_size=None) as first:
                 assert json.loads(await first.recv())["type"] == "session.created"
                 await first.send(grid_frames(1, 1).tobytes())
                 assert isinstance(await first.recv(), bytes)  # an answer: its vLLM-Omni session is open

@@ -33,21 +33,31 @@ import numpy as np
 
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
+from duplexserve.engine_bridge.moshi.families import get_family
 from duplexserve.engine_bridge.moshi.memory import MemoryPlan, kv_bytes_per_slot
-from duplexserve.engine_bridge.moshi.presets import get_preset, resolve_weights
+from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """LMGen's sampling; one setting for the whole batch (the library samples batched)."""
+    """LMGen's sampling; one setting for the whole batch (the library samples batched).
+
+    A value left None is the checkpoint's ``lm_gen_config``, else LMGen's default
+    (0.8, 0.7, 250, 25), as ``moshi.server`` samples it.
+    """
 
     greedy: bool = False
-    temp: float = 0.8
-    temp_text: float = 0.7
-    top_k: int = 250
-    top_k_text: int = 25
+    temp: float | None = None
+    temp_text: float | None = None
+    top_k: int | None = None
+    top_k_text: int | None = None
+
+    def lm_gen_kwargs(self, lm_gen_config: dict[str, Any]) -> dict[str, Any]:
+        given = {k: v for k, v in vars(self).items() if k != "greedy" and v is not None}
+        return {**lm_gen_config, **given, "use_sampling": not self.greedy}
 
 
 class MoshiEngine(Engine):
@@ -59,6 +69,10 @@ class MoshiEngine(Engine):
         preset: str = "tiny",
         weights: str = "",
         tokenizer: str = "",
+        hf_repo: str = "",
+        config: str = "",
+        lora: str = "",
+        cfg_coef: float = 1.0,
         device: str = "auto",
         dtype: str = "auto",
         context: int = 0,
@@ -74,9 +88,14 @@ class MoshiEngine(Engine):
         mimi_graph: str = "whole",
     ) -> None:
         super().__init__(num_slots)
-        self.preset = get_preset(preset) if not weights else None
-        self.weights = resolve_weights(weights, tokenizer or None) if weights else None
-        self.tokenizer_path = tokenizer or (self.weights.tokenizer if self.weights else None)
+        source = CheckpointSource(hf_repo, weights, config, lora, tokenizer)
+        self.preset = None if source.given else get_preset(preset)
+        self.checkpoint = resolve_checkpoint(source) if source.given else None  # moshi's CheckpointInfo
+        self.source = source
+        self.model_type = self.preset.model_type if self.preset else self.checkpoint.model_type  # type: ignore[union-attr]
+        self.family = get_family(self.model_type)
+        self.tokenizer_path = tokenizer or (self.checkpoint.tokenizer if self.checkpoint else None)
+        self.cfg_coef = cfg_coef
         self.device_name = device
         self.dtype_name = dtype
         self.context = context
@@ -100,10 +119,11 @@ class MoshiEngine(Engine):
         self.mimi_graph = mimi_graph
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
-        lm_config = self.preset.lm if self.preset else self.weights.lm_config  # type: ignore[union-attr]
-        self.delay_frames = max((lm_config or {"delays": [0, 1]})["delays"])
+        lm_config = self.preset.lm if self.preset else self.checkpoint.lm_config  # type: ignore[union-attr]
+        self.delay_frames = max((lm_config or MOSHI_7B_LM)["delays"])
+        if cfg_coef != 1.0 and not (lm_config or {}).get("fuser"):
+            raise ValueError(f"--moshi-cfg-coef {cfg_coef}: this LM has no conditioning to guide")
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
-        self._reset = np.zeros(num_slots, dtype=bool)  # slots to reset before the next step
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -112,7 +132,7 @@ class MoshiEngine(Engine):
         if not self.cuda_graphs:
             os.environ["NO_CUDA_GRAPH"] = "1"
         import torch
-        from moshi.models import LMGen, loaders
+        from moshi.models import LMGen
         from moshi.utils.compile import no_compile
 
         from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
@@ -144,26 +164,18 @@ class MoshiEngine(Engine):
         }[self.dtype_name]
         torch.manual_seed(self.seed)
         started = time.perf_counter()
+        # As moshi.server builds it (model_type mutations, LoRA fused, conditioning kept float32).
+        info = self.checkpoint or preset_checkpoint(self.preset)  # type: ignore[arg-type]
+        mimi = info.get_mimi(device=device)
+        if dtype == torch.float64:
+            mimi = mimi.double()
+        overrides = {"context": self.context} if self.context else {}
+        lm = info.get_moshi(
+            device=device, dtype=dtype, load_weight=self.preset is None, fuse_lora=True,
+            lm_kwargs_overrides=overrides,
+        )  # fmt: skip
         if self.preset is not None:
-            lm_kwargs = dict(self.preset.lm)
-            if self.context:
-                lm_kwargs["context"] = self.context
-            codebooks = self.preset.codebooks
-            mimi = loaders.get_mimi(None, self.preset.mimi, device=device, num_codebooks=codebooks)
-            if dtype == torch.float64:
-                mimi = mimi.double()
-            lm = loaders.get_moshi_lm(None, lm_kwargs=lm_kwargs, device=device, dtype=dtype)
             _calibrate_codebooks(mimi)
-        else:
-            w = self.weights
-            assert w is not None
-            overrides = {"context": self.context} if self.context else {}
-            mimi = loaders.get_mimi(w.mimi, w.mimi_config, device=device, num_codebooks=w.codebooks)
-            lm = loaders.get_moshi_lm(
-                w.lm, lm_kwargs=w.lm_config, device=device, dtype=dtype, lm_kwargs_overrides=overrides
-            )
-            if w.model_type == "hibiki":  # as moshi's CheckpointInfo does: an early EOS reads as PAD
-                lm.text_emb.weight.data[2] = lm.text_emb.weight.data[3]
         self.tokenizer = None
         if self.tokenizer_path:
             import sentencepiece
@@ -181,22 +193,19 @@ class MoshiEngine(Engine):
             log.warning("moshi engine: this LM's depformer cannot take the unmasked attention; stock")
         self.delay_frames = max(lm.delays)
         self._skip_text = (lm.existing_text_padding_id, lm.existing_text_end_padding_id)
-        s = self.sampling
         self.lm_gen = LMGen(
             lm,
-            use_sampling=not s.greedy,
-            temp=s.temp,
-            temp_text=s.temp_text,
-            top_k=s.top_k,
-            top_k_text=s.top_k_text,
+            cfg_coef=self.cfg_coef,
+            condition_tensors=self._condition_tensors(lm, self.num_slots),
             support_out_of_sync=True,  # one clock per slot: a reset never stalls the others
+            **self.sampling.lm_gen_kwargs(info.lm_gen_config),
         )
         self.mimi = mimi
         self._no_compile = no_compile if device.type != "cuda" else contextlib.nullcontext
         self._allocate(self.num_slots)
         log.info(
             "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s",
-            self.preset.name if self.preset else self.weights,
+            self.preset.name if self.preset else self.source.hf_repo or self.source.weights,
             device,
             self.num_slots,
             self.delay_frames,
@@ -205,11 +214,12 @@ class MoshiEngine(Engine):
 
     def _allocate(self, b: int) -> None:
         """Streaming state for ``b`` slots, host/device buffers, then warm-up (graph capture)."""
+        from duplexserve.engine_bridge.moshi.row_buckets import RowBuckets, bucket_sizes, streaming_modules
+
         torch = self._torch
         n = self.frame_samples
         self.num_slots = b
         self._steps = np.zeros(b, dtype=np.int64)
-        self._reset = np.zeros(b, dtype=bool)
         pin = self.device.type == "cuda"
         self._exec_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)
         self._exec = self._exec_host.numpy()
@@ -227,14 +237,26 @@ class MoshiEngine(Engine):
             plan = self._memory_plan(b)
             log.info("moshi engine memory: %s", plan.describe())
             plan.check()
+        self.lm_gen.condition_tensors = self._condition_tensors(self.lm_gen.lm_model, b)
         with torch.no_grad():
             self.mimi.streaming_forever(b)
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
-        self._mimi_encode, self._mimi_decode = self.mimi.encode, self.mimi.decode
-        if self.mimi_graph == "whole" and self.cuda_graphs and self.device.type == "cuda":
-            self._graph_mimi()
-        self._warm_up()
+        self._rows = RowBuckets(streaming_modules(self.mimi, self.lm_gen), b, bucket_sizes(b))
+        graphed = self.cuda_graphs and self.device.type == "cuda"
+        whole = graphed and self.mimi_graph == "whole"
+        self._mimi_fns = {  # one set of CUDA graphs per bucket
+            n: self._graph_mimi() if whole else (self.mimi.encode, self.mimi.decode) for n in self._rows.sizes
+        }
+        self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
+        self._warm_up(self._rows.sizes if graphed else [b])
+
+    def _condition_tensors(self, lm: Any, batch: int) -> dict[str, Any]:
+        """moshi's own conditions of the family (Hibiki: "very_good", and "very_bad" rows
+        under guidance), one row a slot: every session is conditioned as moshi.server's."""
+        from moshi.run_inference import get_condition_tensors
+
+        return get_condition_tensors(self.model_type, lm, batch, self.cfg_coef)
 
     def _graph_mimi(self) -> None:
         """``--moshi-mimi-graph whole``: fewer kernels launched one by one from the host.
@@ -251,8 +273,7 @@ class MoshiEngine(Engine):
         from moshi.utils.compile import CUDAGraphed
 
         latent, quantize = self.mimi._encode_to_unquantized_latent, CUDAGraphed(self.mimi.quantizer.encode)
-        self._mimi_encode = lambda x: quantize(latent(x))
-        self._mimi_decode = CUDAGraphed(self.mimi.decode)
+        return (lambda x: quantize(latent(x))), CUDAGraphed(self.mimi.decode)
 
     def _share_exec_mask(self, b: int) -> None:
         """Make every streaming state of Mimi and the LM read one device mask.
@@ -266,15 +287,25 @@ class MoshiEngine(Engine):
         """
         from moshi.modules.streaming import StreamingModule
 
-        self._mask_dev = self._torch.ones(b, dtype=self._torch.bool, device=self.device)
-        states = [self.lm_gen._streaming_state] + [
+        torch = self._torch
+        self._mask_dev = torch.ones(b, dtype=torch.bool, device=self.device)
+        # Under guidance the LM runs every slot twice (conditioned rows, then unconditioned):
+        # its modules read the mask repeated, refreshed from the slots' mask at each step.
+        self._mask_lm = self._mask_dev if self.cfg_coef == 1.0 else self._mask_dev.repeat(2)
+        lm_states = [
             m._streaming_state
-            for model in (self.mimi, self.lm_gen.lm_model)
-            for m in model.modules()
+            for m in self.lm_gen.lm_model.modules()
             if isinstance(m, StreamingModule) and m._streaming_state is not None
         ]
-        for state in states:
+        mimi_states = [
+            m._streaming_state
+            for m in self.mimi.modules()
+            if isinstance(m, StreamingModule) and m._streaming_state is not None
+        ]
+        for state in [self.lm_gen._streaming_state, *mimi_states]:
             state.exec_mask = self._mask_dev
+        for state in lm_states:
+            state.exec_mask = self._mask_lm
 
     def _memory_plan(self, slots: int) -> MemoryPlan:
         lm = self.lm_gen.lm_model
@@ -282,7 +313,9 @@ class MoshiEngine(Engine):
         kv = kv_bytes_per_slot(
             len(lm.transformer.layers), attention.embed_dim, attention.num_heads, attention.context,
             self.kv_dtype if self.attention == "live" else "bf16", next(lm.parameters()).element_size(),
+            attention.kv_repeat, branches=1 if self.cfg_coef == 1.0 else 2,
         )  # fmt: skip
+        self._torch.cuda.empty_cache()  # what loading left in torch's cache is free for the ring
         return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0])
 
     def resize(self, num_slots: int) -> None:
@@ -292,47 +325,60 @@ class MoshiEngine(Engine):
 
         for module in (self.mimi, self.lm_gen, self.lm_gen.lm_model):
             module._stop_streaming()
-        self._mimi_encode = self._mimi_decode = None  # type: ignore[assignment]
+        self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
         gc.collect()  # the old states and their CUDA graphs hold memory until collected
         if self.device.type == "cuda":
             self._torch.cuda.empty_cache()
         self._allocate(num_slots)
 
-    def _warm_up(self) -> None:
-        """Run full steps until the CUDA graphs are captured and replayed, then reset every slot."""
-        everyone = np.arange(self.num_slots)
-        silence = np.zeros((self.num_slots, self.frame_samples), np.float32)
-        for _ in range(self.delay_frames + 3):
-            self.step(everyone, silence)
-        self._reset[:] = True
+    def _warm_up(self, sizes: list[int]) -> None:
+        """Step each of ``sizes`` rows until its CUDA graphs are captured and replayed (the
+        full batch last, so the full-size states are current), then reset every row."""
+        for size in sizes:
+            everyone = np.arange(size)
+            silence = np.zeros((size, self.frame_samples), np.float32)
+            for _ in range(self.delay_frames + 3):
+                self.step(everyone, silence)
+        self._rows.map.clear()
         self._steps[:] = 0
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
-        self._reset[slot] = True
+        self._rows.map.open(slot)  # the lowest free row, reset before it next steps
         self._steps[slot] = 0
 
     def close(self, slot: int) -> None:
-        self._steps[slot] = 0  # its state stays until the next open resets it
+        self._rows.map.close(slot)  # its row's state stays until an open resets it
+        self._steps[slot] = 0
+
+    def rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """Where ``slots`` are in the batched state now (row_buckets.py): tests and benchmarks
+        read LMGen's batch output by it."""
+        return self._rows.map.row_of[slots]
 
     # ----------------------------------------------------------------------- step
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
         torch = self._torch
         started = time.perf_counter()
         with torch.no_grad(), self._no_compile():
-            if self._reset.any():
-                mask = torch.from_numpy(self._reset).to(self.device)  # one copy, not one a module
+            rows, size, reset = self._rows.prepare(slots)  # the step runs rows [0, size)
+            self._mimi_encode, self._mimi_decode = self._mimi_fns[size]
+            if reset is not None:
+                mask = torch.from_numpy(reset).to(self.device)  # one copy, not one a module
                 self.mimi.reset_streaming(mask)
                 self.lm_gen.reset_streaming(mask)
-                self._reset[:] = False
             exec_mask = self._exec
             exec_mask[:] = False
-            exec_mask[slots] = True
-            self._in_np[slots] = frames
+            exec_mask[rows] = True
+            self._in_np[rows] = frames
             if self._in_dev is not self._in_host:
-                self._in_dev.copy_(self._in_host, non_blocking=True)
+                self._in_dev[:size].copy_(self._in_host[:size], non_blocking=True)
             self._mask_dev.copy_(self._exec_host, non_blocking=True)
-            codes = self._mimi_encode(self._in_dev)
+            if self._mask_lm is not self._mask_dev:
+                self._mask_lm.view(2, -1).copy_(self._mask_dev.expand(2, -1))
+            codes = self._mimi_encode(self._in_dev[:size])
+            if self.family.first_frame_reset:
+                self._reset_after_first_frame(slots, rows, size)
             tokens = self.lm_gen.step(codes)
             assert tokens is not None  # support_out_of_sync: never None
             steps = self._steps[slots] + 1
@@ -340,32 +386,43 @@ class MoshiEngine(Engine):
             ready = steps > self.delay_frames  # rows past the model's delay
             decode = self._decode
             decode[:] = False
-            decode[slots[ready]] = True
+            decode[rows[ready]] = True
             if ready.any():
                 self._mask_dev.copy_(self._decode_host, non_blocking=True)
                 pcm = self._mimi_decode(tokens[:, 1:].clamp(min=0))
-                self._out_host.copy_(pcm[:, 0], non_blocking=True)
-            self._text_host.copy_(tokens[:, 0, 0], non_blocking=True)
+                self._out_host[:size].copy_(pcm[:, 0], non_blocking=True)
+            self._text_host[:size].copy_(tokens[:, 0, 0], non_blocking=True)
             queued = time.perf_counter()  # the host's part: everything is queued on the GPU
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-        audio = self._out_np[slots]  # fancy indexing: a copy, the buffers are reused
+        audio = self._out_np[rows]  # fancy indexing: a copy, the buffers are reused
         audio[~ready] = 0.0
-        text = self._text(slots, ready) if self.tokenizer is not None else {}
+        text = self._text(rows, ready) if self.tokenizer is not None else {}
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - started
         self.timings["host_s"] += queued - started
         return StepResult(audio, text)
 
-    def _text(self, slots: np.ndarray, ready: np.ndarray) -> dict[int, str]:
-        ids = self._text_np[slots]
-        rows = np.flatnonzero(ready & (ids != self._skip_text[0]) & (ids != self._skip_text[1]))
+    def _reset_after_first_frame(self, slots: np.ndarray, rows: np.ndarray, size: int) -> None:
+        """moshi.server's first-frame rule, per slot: reset Mimi once a session's first frame
+        is encoded, so its second is encoded as if it began the stream. LMGen discards the
+        first frame's codes anyway; its decoder has not run yet, so the reset touches only
+        the encoder's state."""
+        first = rows[self._steps[slots] == 0]
+        if len(first):
+            mask = np.zeros(size, dtype=bool)
+            mask[first] = True
+            self.mimi.reset_streaming(self._torch.from_numpy(mask).to(self.device))
+
+    def _text(self, rows: np.ndarray, ready: np.ndarray) -> dict[int, str]:
+        ids = self._text_np[rows]
+        hits = np.flatnonzero(ready & (ids != self._skip_text[0]) & (ids != self._skip_text[1]))
         assert self.tokenizer is not None
         vocab = self.tokenizer.get_piece_size()
         return {
-            int(row): self.tokenizer.id_to_piece(int(ids[row])).replace("\u2581", " ")
-            for row in rows.tolist()
-            if ids[row] < vocab
+            int(i): self.tokenizer.id_to_piece(int(ids[i])).replace("\u2581", " ")
+            for i in hits.tolist()
+            if ids[i] < vocab
         }
 
     def stop(self) -> None:
@@ -378,7 +435,7 @@ class MoshiEngine(Engine):
                 1000 * self.timings["step_s"] / self.timings["steps"],
             )
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
-        self._mimi_encode = self._mimi_decode = None  # type: ignore[assignment]
+        self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
         torch = getattr(self, "_torch", None)
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -415,6 +472,10 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         preset=config.moshi_preset,
         weights=config.moshi_weights,
         tokenizer=config.moshi_tokenizer,
+        hf_repo=config.moshi_hf_repo,
+        config=config.moshi_config,
+        lora=config.moshi_lora,
+        cfg_coef=config.moshi_cfg_coef,
         device=config.device,
         dtype=config.moshi_dtype,
         context=config.moshi_context,

@@ -6,10 +6,10 @@ codebook step ``k`` (the state's ``offset_cpu``, a Python int, so a constant ins
 CUDA graph) each row writes its key and value at ring slot ``k % capacity`` and moshi's
 mask keeps the positions ``(k - context, k]``; the ring is as long as the context (or
 as the steps, without one), so those are exactly its first ``min(k + 1, capacity)``
-slots, in slot order (hibiki-2b: 16 steps over a ring of 8, which wraps). Stock moshi
+slots, in slot order (hibiki-2b-class: 16 steps over a ring of 8, which wraps). Stock moshi
 builds that mask from a position table in every layer of every codebook step (about ten
 small kernels) and hands it to SDPA, which with a mask takes cuDNN's masked kernel:
-5.8 ms of the step at 384 hibiki-2b slots on the H200 for 96 calls over at most 8 keys.
+5.8 ms of the step at 384 hibiki-2b-class slots on the H200 for 96 calls over at most 8 keys.
 Here the slot is written with one copy and the live slots are read unmasked: on the
 CPU by SDPA over the slice (the tests show the depformer's tokens equal to stock
 moshi's and its logits equal in float64 up to the order of the sums: without the masked

@@ -1,11 +1,11 @@
 """How many sessions fit on the GPU: the KV ring of every slot, sized before it is allocated.
 
 Each slot holds the LM's ring for the whole context in every layer (K and V, all heads),
-so the ring decides how many sessions one card takes: hibiki-2b at 3000 frames is
+so the ring decides how many sessions one card takes: hibiki-2b-class at 3000 frames is
 0.59 GB a slot in bf16 and 0.30 GB in int8, Moshi 7B 1.57 GB and 0.79 GB. Everything
 else a slot holds (Mimi's conv and transformer state, the depformer's ring, the step's
 activations and CUDA graph pools) came to about 23 MiB a slot on the H200 at 192
-hibiki-2b slots (114.9 GiB allocated against 105.5 GiB of ring and 5.0 GiB of
+hibiki-2b-class slots (114.9 GiB allocated against 105.5 GiB of ring and 5.0 GiB of
 weights); ``OTHER_PER_SLOT`` allows 32 MiB and ``RESERVE`` 2 GiB for the rest.
 """
 
@@ -54,8 +54,18 @@ class MemoryPlan:
             )
 
 
-def kv_bytes_per_slot(layers: int, dim: int, heads: int, context: int, kv_dtype: str, element: int) -> int:
-    """K and V for every layer and slot of the ring; int8 adds one scale per slot and head."""
+def kv_bytes_per_slot(
+    layers: int, dim: int, heads: int, context: int, kv_dtype: str, element: int, kv_repeat: int = 1,
+    branches: int = 1,
+) -> int:
+    """K and V for every layer and slot of the ring; int8 adds one scale per slot and head.
+
+    With grouped KV heads (``kv_repeat`` query heads share one KV head) the ring holds
+    ``heads / kv_repeat`` heads, ``dim / kv_repeat`` values a position. Classifier-free
+    guidance (``--moshi-cfg-coef``) runs a conditioned and an unconditioned row for every
+    session, each with its ring: ``branches=2``.
+    """
+    dim, heads = dim // kv_repeat, heads // kv_repeat
     if kv_dtype == "int8":
-        return layers * 2 * context * (dim + heads * element)
-    return layers * 2 * context * dim * element
+        return branches * layers * 2 * context * (dim + heads * element)
+    return branches * layers * 2 * context * dim * element

@@ -1,15 +1,19 @@
-"""Architecture presets for the moshi engine, and the resolution of local weight folders.
+"""Architecture presets for the moshi engine: released checkpoints' shapes with random weights.
 
-A preset is the real architecture (Mimi codec + multistream LM) with random weights,
-so the serving path can be measured on the true shapes without any download:
+A preset is the architecture of a released checkpoint (Mimi codec + multistream LM, its
+``model_type`` and ``lm_gen_config``) with random weights, so the serving path can be
+measured on the true shapes without any download, and the tiny ones give the CPU tests
+every feature the released configs use. The released configs and how sure each value
+is: /work/shared/reference/checkpoints.md ([V] verbatim, [R] reconstructed).
 
-- ``moshi-7b``: Kyutai's Moshi 7B as ``moshi.models.loaders`` defines it (32 layers,
-  d=4096, 8 codebooks per stream, context 3000 steps).
-- ``hibiki-2b``: the 2B class of Hibiki (24 layers, d=2048, 16 codebooks per stream,
-  48k text vocabulary, acoustic delay 2), the shape BENCHMARKS.md's anchors were
-  measured on.
-- ``tiny``: both models shrunk until a CPU step of a few sessions costs milliseconds
-  (a stock Mimi alone costs seconds per step on a CPU): for tests.
+- ``moshi-7b``: ``kyutai/moshiko|moshika-pytorch-bf16`` (moshi's own ``_lm_kwargs``).
+- ``hibiki-1b``, ``hibiki-2b``: ``kyutai/hibiki-{1b,2b}-pytorch-bf16`` (FR->EN).
+- ``hibiki-zero-3b``: ``kyutai/hibiki-zero-3b-pytorch-bf16`` (reconstructed).
+- ``personaplex-7b``: ``nvidia/personaplex-7b-v1``'s LM (Moshi 7B with 16 depformer steps).
+- ``hibiki-2b-class``: the 2B class of Hibiki (24 layers, d=2048) that docs/benchmarks.md's
+  H200 numbers were measured on, before the released 2B's shape was known.
+- ``tiny`` and ``tiny-*``: shrunk until a CPU step of a few sessions costs milliseconds (a
+  stock Mimi alone costs seconds per step on a CPU): for tests, one per released feature.
 
 This module imports neither torch nor moshi, so the server can describe a preset
 before the engine thread loads anything.
@@ -17,9 +21,7 @@ before the engine thread loads anything.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 # The constants below restate moshi.models.loaders (0.2.13: _seanet_kwargs,
@@ -104,7 +106,75 @@ def _delays(codebooks: int, acoustic_delay: int) -> list[int]:
     return [0, *stream, *stream]
 
 
-HIBIKI_2B_LM: dict[str, Any] = {
+# Hibiki's description conditioner, summed into the input at every step; the server asks
+# for "very_good" (and "very_bad" as the negative with --moshi-cfg-coef): [V] in the 1B and
+# 2B MLX configs, the fuser [R high] for the 2B.
+HIBIKI_CONDITIONING: dict[str, Any] = {
+    "conditioners": {
+        "description": {
+            "type": "lut",
+            "lut": {
+                "n_bins": 31,
+                "dim": 16,
+                "tokenizer": "noop",
+                "possible_values": ["very_bad", "bad", "neutral", "good", "very_good"],
+            },
+        }
+    },
+    "fuser": {"sum": ["description"]},
+}
+HIBIKI_GEN: dict[str, Any] = {"temp": 0.8, "temp_text": 0.4, "top_k": 250, "top_k_text": 25}  # [R medium]
+SCHEDULE_16: list[int] = [*range(9), *[8] * 7]  # 16 depformer steps, 9 sets of weights
+
+HIBIKI_1B_LM: dict[str, Any] = {  # the MLX twin's config [V], pytorch-only keys [R medium]
+    **MOSHI_7B_LM,
+    **HIBIKI_CONDITIONING,
+    "dim": 2048,
+    "num_heads": 16,
+    "num_layers": 16,
+    "text_card": 48000,
+    "context": 1500,  # [R medium] the pytorch parent's, per a derived student; the MLX twin says 500
+    "max_period": 100000,
+    "depformer_context": 16,
+    "delays": _delays(8, 2),
+}
+HIBIKI_2B_LM: dict[str, Any] = {  # the MLX twin's config [V] up to the conditioners; fuser [R high]
+    **MOSHI_7B_LM,
+    **HIBIKI_CONDITIONING,
+    "dim": 2560,
+    "num_heads": 20,
+    "num_layers": 24,
+    "text_card": 48000,
+    "n_q": 32,
+    "dep_q": 16,
+    "context": 500,
+    "max_period": 100000,
+    "depformer_dim_feedforward": 3072,
+    "depformer_num_layers": 4,
+    "depformer_context": 16,
+    "depformer_weights_per_step_schedule": SCHEDULE_16,
+    "depformer_low_rank_embeddings": 128,
+    "delays": _delays(16, 2),
+}
+HIBIKI_ZERO_3B_LM: dict[str, Any] = {  # [R]: architecture medium-high, key spellings medium
+    **MOSHI_7B_LM,
+    "dim": 2048,
+    "num_heads": 16,
+    "num_layers": 28,
+    "kv_repeat": 2,  # 8 KV heads; moshi gives the depformer the same unless depformer_kv_repeat says
+    "hidden_scale": 6.0,
+    "max_period": 20000,
+    "positional_embedding": "rope_concat",
+    "text_card": 48000,
+    "n_q": 32,
+    "dep_q": 16,
+    "depformer_dim_feedforward": None,  # 6.0 x 1024
+    "depformer_context": 16,
+    "depformer_weights_per_step_schedule": SCHEDULE_16,
+    "depformer_norm": "layer_norm",  # [R] learned per-step output norms
+    "delays": _delays(16, 2),
+}  # no conditioners: unknown for the release (a checkpoint's own config decides)
+HIBIKI_2B_CLASS_LM: dict[str, Any] = {
     **MOSHI_7B_LM,
     "dim": 2048,
     "num_heads": 16,
@@ -130,6 +200,7 @@ TINY_MIMI: dict[str, Any] = {
         "context": 50,
     },
 }
+TINY_MIMI_16: dict[str, Any] = {**TINY_MIMI, "quantizer": {**TINY_MIMI["quantizer"], "n_q": 16}}
 TINY_LM: dict[str, Any] = {
     **MOSHI_7B_LM,
     "dim": 64,
@@ -146,14 +217,40 @@ TINY_LM: dict[str, Any] = {
     "depformer_num_layers": 1,
     "delays": _delays(4, 1),
 }
+TINY_HIBIKI_LM: dict[str, Any] = {  # hibiki-2b's features: conditioning, schedule, low rank, 16 steps
+    **TINY_LM,
+    **HIBIKI_CONDITIONING,
+    "n_q": 32,
+    "dep_q": 16,
+    "max_period": 100000,
+    "depformer_context": 16,
+    "depformer_weights_per_step_schedule": SCHEDULE_16,
+    "depformer_low_rank_embeddings": 8,
+    "delays": _delays(16, 2),
+}
+TINY_ZERO_LM: dict[str, Any] = {  # hibiki-zero-3b's: grouped KV heads, rope_concat, depformer norms
+    **TINY_HIBIKI_LM,
+    "kv_repeat": 2,
+    "hidden_scale": 6.0,
+    "positional_embedding": "rope_concat",
+    "depformer_dim_feedforward": None,
+    "depformer_norm": "layer_norm",
+    "depformer_low_rank_embeddings": None,
+}
 
 
 @dataclass(frozen=True)
 class Preset:
     name: str
-    lm: dict[str, Any]
+    lm: dict[str, Any]  # LMModel's kwargs, as a checkpoint's config.json holds them
     mimi: dict[str, Any]
-    codebooks: int  # Mimi codebooks per stream (user in, model out)
+    model_type: str = "moshi"  # what differs per session (families.py)
+    lm_gen_config: dict[str, Any] = field(default_factory=dict)  # the checkpoint's sampling defaults
+
+    @property
+    def codebooks(self) -> int:
+        """Mimi codebooks per stream (user in, model out), as moshi's CheckpointInfo counts them."""
+        return max(self.lm["dep_q"], self.lm["n_q"] - self.lm["dep_q"])
 
     @property
     def max_delay(self) -> int:
@@ -162,9 +259,14 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "moshi-7b": Preset("moshi-7b", MOSHI_7B_LM, MIMI, 8),
-    "hibiki-2b": Preset("hibiki-2b", HIBIKI_2B_LM, MIMI, 16),
-    "tiny": Preset("tiny", TINY_LM, TINY_MIMI, 4),
+    "moshi-7b": Preset("moshi-7b", MOSHI_7B_LM, MIMI),
+    "hibiki-1b": Preset("hibiki-1b", HIBIKI_1B_LM, MIMI, "hibiki", HIBIKI_GEN),
+    "hibiki-2b": Preset("hibiki-2b", HIBIKI_2B_LM, MIMI, "hibiki", HIBIKI_GEN),
+    "hibiki-zero-3b": Preset("hibiki-zero-3b", HIBIKI_ZERO_3B_LM, MIMI, "hibiki", HIBIKI_GEN),
+    "hibiki-2b-class": Preset("hibiki-2b-class", HIBIKI_2B_CLASS_LM, MIMI),
+    "tiny": Preset("tiny", TINY_LM, TINY_MIMI),
+    "tiny-hibiki": Preset("tiny-hibiki", TINY_HIBIKI_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN),
+    "tiny-zero": Preset("tiny-zero", TINY_ZERO_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN),
 }
 
 
@@ -173,68 +275,3 @@ def get_preset(name: str) -> Preset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown moshi preset {name!r}; known: {', '.join(PRESETS)}") from None
-
-
-@dataclass(frozen=True)
-class LocalWeights:
-    """Paths of one model in a local folder laid out like Kyutai's Hugging Face repos."""
-
-    lm: Path
-    mimi: Path
-    tokenizer: Path | None
-    lm_config: dict[str, Any] | None  # None: the Moshi 7B architecture
-    mimi_config: dict[str, Any] | None  # None: the stock Mimi
-    model_type: str = "moshi"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def codebooks(self) -> int:
-        cfg = self.lm_config or MOSHI_7B_LM
-        return max(cfg["dep_q"], cfg["n_q"] - cfg["dep_q"])
-
-
-def resolve_weights(folder: str | Path, tokenizer: str | Path | None = None) -> LocalWeights:
-    """Find the LM, Mimi and tokenizer files in ``folder``; never downloads.
-
-    ``config.json``, when present, is Kyutai's: the LM's kwargs plus ``moshi_name``,
-    ``mimi_name``, ``tokenizer_name``, ``mimi_config_name`` and ``model_type``. Without
-    it the folder must hold a Moshi 7B (``model.safetensors`` and the stock Mimi).
-    """
-    root = Path(folder)
-    if not root.is_dir():
-        raise FileNotFoundError(f"moshi weights folder {root} does not exist")
-    config_path = root / "config.json"
-    lm_config: dict[str, Any] | None = None
-    names = {
-        "moshi_name": "model.safetensors",
-        "mimi_name": "tokenizer-e351c8d8-checkpoint125.safetensors",
-        "tokenizer_name": "tokenizer_spm_32k_3.model",
-    }
-    model_type = "moshi"
-    mimi_config: dict[str, Any] | None = None
-    extra: dict[str, Any] = {}
-    if config_path.exists():
-        lm_config = json.loads(config_path.read_text())
-        for key in names:
-            names[key] = lm_config.pop(key, names[key])
-        model_type = lm_config.pop("model_type", "moshi")
-        mimi_config_name = lm_config.pop("mimi_config_name", None)
-        if mimi_config_name:
-            mimi_config = json.loads((root / mimi_config_name).read_text())
-        for key in ("lm_gen_config", "tts_config", "stt_config", "model_id", "lora_name"):
-            if key in lm_config:
-                extra[key] = lm_config.pop(key)
-        if extra.get("lora_name"):
-            raise ValueError("LoRA checkpoints are not supported by the moshi engine")
-    lm = root / names["moshi_name"]
-    mimi = root / names["mimi_name"]
-    for path in (lm, mimi):
-        if not path.exists():
-            raise FileNotFoundError(f"moshi weights: {path} not found")
-    if tokenizer:
-        tok = Path(tokenizer)
-        if not tok.exists():
-            raise FileNotFoundError(f"moshi tokenizer {tok} not found")
-    else:
-        tok = root / names["tokenizer_name"]
-    return LocalWeights(lm, mimi, tok if tok.exists() else None, lm_config, mimi_config, model_type, extra)

@@ -8,7 +8,7 @@ inside the context of the newest. Query ``t`` of a step (position ``end - T + t`
 therefore attends to every held position up to its own, which is what moshi's mask
 keeps; moshi builds that mask from an int64 position table in every layer and hands it
 to SDPA, whose float32 kernels (``fmha_cutlassF_f32``) tile the two queries into blocks
-of 32 or more. Mimi's 16 such calls took 7.2 ms of the step at 384 hibiki-2b slots on
+of 32 or more. Mimi's 16 such calls took 7.2 ms of the step at 384 hibiki-2b-class slots on
 the H200, the depformer's 96 another 5.8 ms (docs/benchmarks.md).
 
 ``ring_attention`` does it in one small Triton program per (row, head): each reads the

@@ -1,0 +1,38 @@
+"""What a model family's reference server does per session beyond ``LMGen.step``.
+
+A released checkpoint is data (its config, read by moshi's loaders) plus a few behaviours
+of the server it was released with, keyed here by the checkpoint's ``model_type``; the
+batched step reads these, never a model's name. Condition tensors are moshi's own
+(``run_inference.get_condition_tensors``: Hibiki's ``description="very_good"``, and
+``"very_bad"`` as the negative under classifier-free guidance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    # moshi.server (and hibiki-zero's) resets Mimi after encoding a session's first frame,
+    # so its second frame is encoded as if it started the stream (moshi PR #200); LMGen
+    # discards the first frame's codes either way.
+    first_frame_reset: bool = True
+
+
+FAMILIES: dict[str, Family] = {
+    "moshi": Family("moshi"),
+    "hibiki": Family("hibiki"),  # Hibiki and Hibiki-Zero: moshi.server's loop
+}
+
+
+def get_family(model_type: str) -> Family:
+    """The family of ``model_type``; an error naming it for one the engine does not serve."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type {model_type!r} is not served by the moshi engine (served: "
+            f"{', '.join(FAMILIES)}); docs/moshi-engine.md lists what is not supported yet"
+        ) from None

@@ -1,0 +1,152 @@
+"""``duplexserve check``: what this machine and these options give, and whether ``serve`` would start.
+
+Real ``python -m duplexserve check`` processes on whatever machine runs the tests (the
+CI machine has no GPU). The memory plan's numbers are checked against the tiny engine
+itself, built and started in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from duplexserve.check.command import memory_plan
+from duplexserve.check.machine import GIB, Gpu, Torch
+from duplexserve.check.model import resolve_model
+from duplexserve.check.plan import LOAD_SLACK, kv_per_slot, weight_bytes
+from duplexserve.check.requirements import Problem
+from duplexserve.config import AUTO_SESSIONS, ServerConfig
+from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
+from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, RESERVE, kv_bytes_per_slot
+from tests.duplexserve_cli import hiding, run
+
+
+def fields(output: str) -> dict[str, str]:
+    """The report's ``label  text`` lines, by label."""
+    return {line[:13].strip(): line[14:] for line in output.splitlines()[1:]}
+
+
+def test_the_tiny_preset_on_the_cpu():
+    done = run("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "8")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = fields(done.stdout)
+    assert report["python"].startswith(f"3.{sys.version_info.minor}.")
+    assert report["engine"] == "moshi on cpu (--device cpu) in the engine thread, --max-sessions 8"
+    assert report["model"].startswith("preset tiny (random weights): moshi LM 2 layers, d=64, 4 heads, "
+                                      "context 200 frames, delay 1")
+    # 2 layers x K and V x 200 frames x 64 values x 4 bytes (float32 on the CPU)
+    assert report["kv ring"].startswith("200.0 KiB a slot: 2 layers x K,V x 200 frames x 64 values x 4 B")
+    assert report["memory"].startswith("the CPU does not size slots by memory: 8 slots x 200.0 KiB of KV")
+    assert report["result"] == "serve would start with these options"
+    if not os.path.exists("/dev/nvidiactl"):
+        assert report["gpus"] == "none (no NVIDIA driver: /dev/nvidiactl is missing)"
+
+
+def test_the_weights_and_the_kv_ring_are_the_engines():
+    """Counted on the meta device from the config, they equal the started engine's own modules."""
+
+    def size(module: Any) -> int:
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    for preset in ("tiny", "tiny-zero"):  # tiny-zero: grouped KV heads (kv_repeat 2)
+        config = ServerConfig(engine="moshi", moshi_preset=preset, max_sessions=1, moshi_threads=1,
+                              device="cpu")
+        model = resolve_model(config)
+        counted = weight_bytes(model, "float32")
+        engine = moshi_engine_from_config(config)
+        engine.start()
+        try:
+            lm = engine.lm_gen.lm_model
+            assert (counted.lm, counted.mimi) == (size(lm), size(engine.mimi)), preset
+            attention = lm.transformer.layers[0].self_attn
+            kv = kv_bytes_per_slot(len(lm.transformer.layers), attention.embed_dim, attention.num_heads,
+                                   attention.context, "bf16", 4, attention.kv_repeat)
+            assert kv_per_slot(config, model, "float32") == kv, preset
+        finally:
+            engine.stop()
+    assert kv == 2 * 2 * 200 * (64 // 2) * 4  # half the KV heads, half the ring
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has an NVIDIA driver")
+def test_device_cuda_without_a_gpu_says_what_is_missing():
+    done = run("check", "--engine", "moshi", "--device", "cuda", "--moshi-preset", "hibiki-2b")
+    assert done.returncode == 1
+    report = fields(done.stdout)
+    assert report["gpus"] == "none (no NVIDIA driver: /dev/nvidiactl is missing)"
+    assert report["model"].startswith("preset hibiki-2b (random weights): hibiki LM ")
+    assert "bfloat16" in report["kv ring"] and report["memory"].endswith("no usable GPU 0 to fit them in")
+    errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
+    assert any("this machine shows no NVIDIA GPU" in line for line in errors), done.stdout
+    assert report["result"] == "serve would not start"
+
+
+def test_a_missing_torch_and_a_missing_checkpoint(tmp_path):
+    path, env = hiding(tmp_path, "torch")
+    done = run("check", "--engine", "moshi", path=path, env=env)
+    assert done.returncode == 1
+    report = fields(done.stdout)
+    assert report["torch"] == "not installed"
+    assert report["memory"] == "no plan: the weights are counted with torch and moshi"
+    assert "needs torch, not installed" in done.stdout and "scripts/install-moshi.sh" in done.stdout
+    done = run("check", "--engine", "moshi", "--moshi-weights", "/nonexistent/weights")
+    assert done.returncode == 1 and fields(done.stdout)["model"] == "none: see the problems below"
+    assert "moshi weights folder /nonexistent/weights does not exist" in done.stdout
+
+
+def test_the_synthetic_engine_and_max_sessions_auto_on_the_cpu():
+    done = run("check")
+    assert done.returncode == 0 and fields(done.stdout)["engine"] == "synthetic (echo): no model, no GPU"
+    done = run("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "auto")
+    assert done.returncode == 1
+    assert fields(done.stdout)["auto"] == "--max-sessions auto sizes by GPU memory: on the CPU give a number"
+    errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
+    assert errors and "--max-sessions auto sizes the moshi engine's slots" in errors[0], done.stdout
+
+
+def test_the_plan_on_a_gpu():
+    """The GPU's part of the report, for a GPU given here (4 GiB free): the plan the engine checks."""
+    import torch
+
+    def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
+        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions)
+        lines: dict[str, str] = {}
+        machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
+        problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
+        return lines, problems
+
+    weights = weight_bytes(resolve_model(ServerConfig(engine="moshi")), "bfloat16").total
+    per_slot = 2 * 2 * 200 * 64 * 2 + OTHER_PER_SLOT  # the tiny LM's bf16 ring, and the rest of a slot
+    fit = (4 * GIB - weights - RESERVE) // per_slot
+    auto = (4 * GIB - weights - RESERVE - LOAD_SLACK) // per_slot
+    assert (fit, auto) == (63, 47)
+    lines, problems = report(64, 4)
+    assert lines["memory"].startswith("GPU 0, after the weights: 64 slots x 0.03 GiB (bfloat16 KV ring")
+    assert lines["memory"].endswith(f"of 4.0 GiB free; at most {fit} slots fit")
+    assert lines["auto"].startswith(f"--max-sessions auto would pick {auto} (keeping 512 MiB")
+    assert [p.what.split(":")[0] for p in problems] == ["--max-sessions 64 does not fit on GPU 0"]
+    assert problems[0].fix.startswith(f"use --max-sessions {auto} (or auto)")
+    assert report(63, 4)[1] == []
+    lines, problems = report(AUTO_SESSIONS, 4)
+    assert lines["memory"].startswith(f"GPU 0, after the weights: {auto} slots x") and problems == []
+    assert report(AUTO_SESSIONS, 2.5)[1][0].what == "--max-sessions auto: no slot fits on GPU 0"
+
+
+def test_a_checkpoint_on_disk(server_factory, tmp_path):
+    """check reads its config.json with moshi's loaders; serve reads it in a child process, then starts."""
+    from tests.test_moshi_checkpoints import write_checkpoint
+    from tests.test_moshi_engine import _tokenizer
+
+    _tokenizer(tmp_path / "spm.model")
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "tiny", tmp_path / "spm.model")
+    done = run("check", "--engine", "moshi", "--moshi-weights", str(folder), "--device", "cpu")
+    assert done.returncode == 0, done.stdout
+    assert fields(done.stdout)["model"].startswith(f"checkpoint {folder.resolve()}: moshi LM 2 layers, d=64")
+    server = server_factory("--engine", "moshi", "--moshi-weights", str(folder), "--max-sessions", "2")
+    warned = server.log().splitlines()  # the server logs at warning level: Opus, where libopus is missing
+    assert all("libopus" in line for line in warned), warned

@@ -1,0 +1,101 @@
+"""A step runs only the rows its sessions need (row_buckets.py), and no session can tell.
+
+Sessions open and close so that the bucket changes nearly every step and live sessions
+are moved down into the rows of ended ones mid-stream (KV rings wrapping, Mimi's and
+LMGen's state, offsets); each must still equal Kyutai's batch-1 loop token for token, and
+the engine must answer exactly as one that steps its full batch every time. Float64, as
+in test_moshi_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexserve.engine_bridge.moshi import row_buckets
+from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
+from duplexserve.engine_bridge.moshi.reference import server_loop, stock_models
+from duplexserve.engine_bridge.moshi.row_buckets import RowMap, bucket_sizes
+from tests.test_moshi_equivalence import CONTEXT, run_sessions
+
+# (slot, first step, frames, steps skipped) in 6 slots: three sessions end at step 9-10,
+# so the two in rows 4 and 5 move down; slot 1 is taken again, and later ends move more.
+SESSIONS = [
+    (0, 0, 30, ()),
+    (1, 0, 9, ()),
+    (2, 0, 9, (4,)),
+    (3, 1, 9, ()),
+    (4, 1, 28, (12,)),
+    (5, 2, 26, ()),
+    (1, 14, 20, (20,)),
+]
+
+
+def make_engine(**kwargs) -> MoshiEngine:
+    engine = MoshiEngine(
+        6, "tiny", context=CONTEXT, sampling=Sampling(greedy=True), threads=1, dtype="float64", **kwargs
+    )
+    engine.start()
+    return engine
+
+
+def test_bucket_sizes_pad_by_at_most_half():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(6) == [1, 2, 3, 4, 6]
+    sizes = bucket_sizes(384)
+    assert sizes == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384]
+    rows = RowMap(384, sizes)
+    assert all(rows.bucket(top) <= 1.5 * top for top in range(1, 385))
+
+
+def test_rows_take_the_lowest_free_and_move_down_only_past_their_bucket():
+    rows = RowMap(8, bucket_sizes(8))
+    for slot in (7, 3, 5, 0, 6):
+        rows.open(slot)
+    assert rows.row_of[[7, 3, 5, 0, 6]].tolist() == [0, 1, 2, 3, 4]
+    rows.reset[:] = False
+    rows.close(3)
+    rows.close(5)  # 3 live in rows 0, 3, 4: bucket 3 does not hold them
+    dst, src = rows.compaction()
+    assert (dst.tolist(), src.tolist()) == ([1, 2], [3, 4])
+    assert rows.row_of[[7, 0, 6]].tolist() == [0, 1, 2] and rows.bucket(3) == 3
+    assert rows.compaction()[0].size == 0
+    rows.open(2)  # a new session fills the lowest hole, due for its reset
+    assert rows.row_of[2] == 3 and rows.reset.tolist() == [False] * 3 + [True] + [False] * 4
+    rows.close(7)  # 3 live in rows 1-3: bucket 3 still needs a move, bucket 4 would not
+    assert rows.compaction()[1].tolist() == [3] and rows.row_of[2] == 0 and rows.reset[0]
+
+
+def test_sessions_moved_between_rows_equal_kyutais_batch1_loop():
+    engine = make_engine()
+    try:
+        assert engine._rows.sizes == [1, 2, 3, 4, 6]  # every state of the model has views
+        outputs, tokens, inputs = run_sessions(engine, SESSIONS)
+        assert engine._rows.moves >= 3
+        models = stock_models(engine, CONTEXT)
+        for out, tok, x in zip(outputs, tokens, inputs, strict=True):
+            ref_audio, ref_tokens = server_loop(models, x)
+            np.testing.assert_array_equal(tok, ref_tokens)
+            np.testing.assert_allclose(out, ref_audio, rtol=0, atol=1e-6)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_bucket_changes_answer_as_the_full_batch(monkeypatch, kv_dtype):
+    """The same sessions through an engine stepping its full batch every time: the same
+    tokens, the same audio (the 8-bit ring too, whose scales move with the rows)."""
+    answers = []
+    for sizes in (bucket_sizes, lambda rows: [rows]):
+        monkeypatch.setattr(row_buckets, "bucket_sizes", sizes)
+        engine = make_engine(kv_dtype=kv_dtype)
+        try:
+            answers.append(run_sessions(engine, SESSIONS)[:2])
+            assert (engine._rows.moves > 0) == (sizes is bucket_sizes)
+        finally:
+            engine.stop()
+    (audio, tokens), (full_audio, full_tokens) = answers
+    for a, b in zip(tokens, full_tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(audio, full_audio, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
