@@ -212,6 +212,10 @@ class ServerConfig:
     handshake_timeout_s: float = _opt(
         10.0, "close a connection whose HTTP/WebSocket handshake is not complete after this long"
     )
+    drain_max_s: float = _opt(
+        10.0, "duplex/1: after input.end, how long a model that ends its answer on its own (Hibiki's "
+        "translation, until its end of text) may go on on silence, at most"
+    )
     drain_grace_s: float = _opt(
         30.0, "on SIGTERM: stop admitting, let sessions finish this long, then close the rest"
     )
@@ -332,6 +336,8 @@ class ServerConfig:
             raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
+        if self.drain_max_s <= 0:
+            raise ValueError("drain_max_s must be positive")
         if self.max_detached < -1:
             raise ValueError("max_detached must be -1 (a quarter of max_sessions) or at least 0")
         if self.codec_threads < 1 or self.codec_processes < 0:

@@ -158,13 +158,18 @@ def test_order_holds_when_the_engine_queue_is_full(server_factory):
     assert m["duplexserve_executor_submissions_total"] <= m["duplexserve_queue_slow_puts_total"]
 
 
-def test_delay_frames_answers_with_silence_first(server_factory):
+def test_delay_frames_answers_with_silence_first_and_input_end_finishes_the_answer(server_factory):
+    """A model answering 3 frames late is stepped on 3 frames of silence after input.end
+    (PROTOCOL.md): the echo of the last input frame is heard, as tail frames 6 to 8."""
     server = server_factory("--delay-frames", "3")
     audio = signal(6, seed=11)
     res = run(converse(server.ws(), [audio.tobytes()]))
-    back = np.frombuffer(b"".join(res.frames), np.float32).reshape(6, 1920)
+    back = np.frombuffer(b"".join(res.frames), np.float32).reshape(9, 1920)
     assert not back[:3].any()
-    assert np.array_equal(back[3:], audio.reshape(6, 1920)[:3])
+    assert np.array_equal(back[3:], audio.reshape(6, 1920))
+    closed = res.closed
+    assert closed["reason"] == "completed" and closed["frames_in"] == 6
+    assert (closed["frames_out"], closed["frames_tail"], closed["frames_dropped"]) == (9, 3, 0)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher
+from duplexserve.engine_bridge.engine import Tail
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
 from duplexserve.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, TextOut
@@ -210,3 +211,65 @@ def test_synthetic_echo_with_delay_keeps_slots_apart():
     e.open(2, {})  # a new occupant starts fresh
     c = e.step(np.array([2]), np.full((1, F), 5, np.float32))
     assert not c.audio.any()
+
+
+# --------------------------------------------------------------------- input.end's tail
+def answer_all(s: Session, finished_at: int | None = None) -> int:
+    """Act as the engine until nothing is in flight: answer every frame handed over;
+    the answer with index ``finished_at`` says the model ended. Returns frames stepped."""
+    stepped = 0
+    while frames := s.frames_ready():
+        for _ in frames:
+            s.deliver(np.zeros(F, np.float32), finished=s.frames_out == finished_at)
+            stepped += 1
+    return stepped
+
+
+def test_a_fixed_tail_steps_silence_after_the_last_input_frame():
+    s = make()
+    s.tail = Tail(frames=2)
+    s.receive_audio(np.ones(3 * F + 10, np.float32))  # 3 whole frames and a partial
+    s.end_input()
+    assert not s.end_due  # the engine needs no signal: the tail is plain silence
+    assert answer_all(s) == 6  # 4 input frames (the partial padded), then 2 of silence
+    closed = drain(s)[-1]
+    assert isinstance(closed, ClosedOut) and closed.reason == "completed"
+    assert (closed.frames_in, closed.frames_out, closed.frames_tail, closed.frames_dropped) == (4, 6, 2, 0)
+
+
+def test_a_tail_until_done_goes_one_frame_at_a_time_until_the_model_ends():
+    s = make(Limits(max_tail_frames=50))
+    s.tail = Tail(until_done=True)
+    s.receive_audio(np.ones(2 * F, np.float32))
+    s.end_input()
+    assert s.end_due  # the engine is told first, so it marks frame 2 as the end of input
+    assert len(s.frames_ready()) == 2
+    s.deliver(np.zeros(F, np.float32))
+    s.deliver(np.zeros(F, np.float32))
+    for index in range(2, 6):
+        (frame,) = s.frames_ready()
+        assert not frame.any() and s.frames_ready() == []  # one in flight: the next waits
+        s.deliver(np.zeros(F, np.float32), finished=index == 5)
+    assert s.frames_ready() == []
+    closed = drain(s)[-1]
+    assert (closed.reason, closed.frames_out, closed.frames_tail) == ("completed", 6, 4)
+
+
+def test_a_tail_until_done_stops_at_its_limit_and_a_close_counts_input_frames_only():
+    s = make(Limits(max_tail_frames=3))
+    s.tail = Tail(until_done=True)
+    s.receive_audio(np.ones(2 * F, np.float32))
+    s.end_input()
+    assert answer_all(s) == 5  # the model never ends: 3 tail frames at most
+    assert drain(s)[-1].frames_tail == 3
+    t = make()
+    t.tail = Tail(frames=4)
+    t.receive_audio(np.ones(3 * F, np.float32))
+    t.end_input()
+    ready = t.frames_ready() + t.frames_ready()  # the input frames, then the tail's
+    assert len(ready) == 7
+    for _ in ready[:4]:  # 3 input frames and 1 of the tail answered
+        t.deliver(np.zeros(F, np.float32))
+    t.close("client_closed", 1000)
+    closed = drain(t)[-1]
+    assert (closed.frames_in, closed.frames_out, closed.frames_tail, closed.frames_dropped) == (3, 4, 1, 0)

@@ -297,9 +297,10 @@ def _run_batched(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray
         if rows:
             result = engine.step(np.array(rows), np.stack([inputs[i][sent[i]] for i in rows]))
             tok = captured.pop().cpu().numpy()
+            where = engine.rows_of(np.array(rows))  # the slots' rows in LMGen's batch
             for r, i in enumerate(rows):
                 audio[i].append(result.audio[r].copy())
-                tokens[i].append(tok[i, :, 0])
+                tokens[i].append(tok[where[r], :, 0])
                 sent[i] += 1
         step += 1
     engine.lm_gen.step = step_fn

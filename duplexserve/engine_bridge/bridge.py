@@ -58,6 +58,11 @@ class Close:
     pass
 
 
+@dataclass(slots=True)
+class EndInput:
+    frames: int  # input frames of the session; the tail starts at this index
+
+
 _CLOSE = Close()
 _TICK_SLICE_S = 0.01  # between ticks, drain the queue this often
 _ALIVE_CHECK_S = 0.5  # while idle, ask the engine this often whether it is alive
@@ -75,6 +80,7 @@ class StepOutput:
     audio: np.ndarray | None
     text: dict[int, str]
     error: str | None = None
+    finished: list[int] | None = None  # rows whose answer ended (StepResult.finished)
     duration_s: float = 0.0
     published: float = 0.0  # perf_counter when the engine thread handed it to the loop
     #: On a step clock: how long after its tick the step started, and whether it was a
@@ -235,6 +241,9 @@ class EngineBridge:
     def close(self, slot: int, generation: int) -> None:
         self.submit((slot, generation, _CLOSE))
 
+    def end_input(self, slot: int, generation: int, frames: int) -> None:
+        self.submit((slot, generation, EndInput(frames)))
+
     async def submit_offloaded(self, item: tuple[int, int, Any]) -> None:
         """The per-frame thread hop of vLLM-Omni's frontend, kept only to measure against."""
         assert self._queue is not None and self._loop is not None
@@ -349,6 +358,9 @@ class EngineBridge:
                     self._restart("engine_died")
                 else:
                     self._fail_slot(slot, generation, "engine_error")
+        elif payload.__class__ is EndInput:
+            if self._open.get(slot) == generation:
+                self.engine.end_input(slot, payload.frames)
         else:
             self._batcher.close(slot)
             self._open.pop(slot, None)
@@ -380,7 +392,7 @@ class EngineBridge:
             self._restart("step_failed" if self.engine.alive() else "engine_died")
             return
         self.step_started = 0.0
-        out = StepOutput(slots, generations, result.audio, result.text)
+        out = StepOutput(slots, generations, result.audio, result.text, finished=result.finished)
         out.duration_s = time.perf_counter() - started
         out.tick_lag_s, out.catch_up = lag_s, catch_up
         out.arrived_past_due_s = self._batcher.arrived_past_due

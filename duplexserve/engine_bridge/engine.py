@@ -19,6 +19,26 @@ class StepResult:
 
     audio: np.ndarray  # (batch, 1920) float32 at 24 kHz
     text: dict[int, str] = field(default_factory=dict)  # batch row -> text token
+    #: Rows whose answer ended with this frame (after ``end_input``: a translation model
+    #: sampled its end of text); None when none did.
+    finished: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """What an engine's model needs after ``input.end`` to finish its answer (PROTOCOL.md).
+
+    ``frames`` frames of silence (a dialogue model answers ``delay`` frames late, so the
+    answer to the last input frame needs that many more steps), or, with ``until_done``,
+    silence until a step reports the row finished (a translation model's end of text),
+    at most ``--drain-max-s``.
+    """
+
+    frames: int = 0
+    until_done: bool = False
+
+
+NO_TAIL = Tail()
 
 
 class Engine(ABC):
@@ -26,6 +46,8 @@ class Engine(ABC):
 
     name: str = "engine"
     frame_samples: int = 1920
+    #: Known once ``start`` returned: what ``input.end`` takes (``Tail``).
+    tail: Tail = NO_TAIL
     #: (num_slots x frame_samples) float32 that the bridge may gather a step's frames into
     #: and pass as ``frames`` (its first rows): an engine whose step copies its input into
     #: a buffer of its own offers that buffer and skips the copy. None: a new array a step.
@@ -50,6 +72,11 @@ class Engine(ABC):
     @abstractmethod
     def close(self, slot: int) -> None:
         """The session in ``slot`` is gone; its state may be dropped."""
+
+    def end_input(self, slot: int, frames: int) -> None:  # noqa: B027 - optional hook
+        """The input of ``slot`` ended after ``frames`` frames; what follows is its tail.
+        An engine whose model is told of the end (Hibiki: one end-of-input frame) does so
+        at frame index ``frames``, whenever that frame comes."""
 
     @abstractmethod
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:

@@ -65,7 +65,7 @@ class ProcessEngine(Engine):
         self._lost = False
         child.close()
         self._conn = parent
-        self._call(("start",))
+        self.tail = self._call(("start",))  # the child's engine says what input.end takes
 
     def _call(self, message: tuple[Any, ...]) -> Any:
         conn = self._conn
@@ -90,12 +90,15 @@ class ProcessEngine(Engine):
     def close(self, slot: int) -> None:
         self._call(("close", slot))
 
+    def end_input(self, slot: int, frames: int) -> None:
+        self._call(("end_input", slot, frames))
+
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
         n = len(slots)
         if frames.base is not self._in:  # not gathered into the shared buffer already
             self._in[:n] = frames
-        text = self._call(("step", slots))
-        return StepResult(self._out[:n].copy(), text)
+        text, finished = self._call(("step", slots))
+        return StepResult(self._out[:n].copy(), text, finished)
 
     def stop(self) -> None:
         try:
@@ -150,7 +153,7 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     assert engine is not None
                     result = engine.step(slots, frames_in[: len(slots)])
                     frames_out[: len(slots)] = result.audio
-                    conn.send(("ok", result.text))
+                    conn.send(("ok", (result.text, result.finished)))
                 elif kind == "open":
                     assert engine is not None
                     engine.open(message[1], message[2])
@@ -159,12 +162,16 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     assert engine is not None
                     engine.close(message[1])
                     conn.send(("ok", None))
+                elif kind == "end_input":
+                    assert engine is not None
+                    engine.end_input(message[1], message[2])
+                    conn.send(("ok", None))
                 elif kind == "start":
                     engine = build_engine(config)
                     engine.start()
                     gc.collect()  # then torch and the model stay out of every later
                     gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)
-                    conn.send(("ok", None))
+                    conn.send(("ok", engine.tail))
                 elif kind == "stop":
                     conn.send(("ok", None))
                     return

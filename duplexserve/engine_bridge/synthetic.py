@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.engine import Engine, StepResult, Tail
 
 FAIL_MARK = np.float32(1e30)
 WORDS = (" hello", " from", " the", " duplex", " echo", " engine.")
@@ -44,6 +44,7 @@ class SyntheticEngine(Engine):
         self.per_session_s = per_session_ms / 1000.0
         self.host_s_per_session = host_ms_per_session / 1000.0
         self.faults = faults
+        self.tail = Tail(frames=delay_frames)  # the echo of the last input frames, after input.end
         self.frame_index = np.zeros(num_slots, dtype=np.int64)
         depth = delay_frames + 1
         self._history = (

@@ -55,7 +55,10 @@ class DuplexApp:
     def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
         config.validate()
         self.config = config
-        limits = Limits(config.inflight_frames, config.max_pending_frames, config.max_output_frames)
+        limits = Limits(
+            config.inflight_frames, config.max_pending_frames, config.max_output_frames,
+            max(1, round(config.drain_max_s * 12.5)),  # frames of 80 ms
+        )  # fmt: skip
         self.orchestrator = Orchestrator(
             engine or build_engine(config),
             limits,

@@ -38,6 +38,7 @@ class ClosedOut:
     frames_in: int
     frames_out: int
     frames_dropped: int
+    frames_tail: int | None = None  # after input.end, for a model with a tail (Session.frames_tail)
 
 
 @dataclass(slots=True)

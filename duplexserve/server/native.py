@@ -383,6 +383,7 @@ class NativeConnection(Connection):
                 "frames_in": item.frames_in,
                 "frames_out": item.frames_out,
                 "frames_dropped": item.frames_dropped,
+                **({"frames_tail": item.frames_tail} if item.frames_tail is not None else {}),
                 **self._deadlines(),
             })
 

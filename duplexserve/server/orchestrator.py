@@ -199,6 +199,7 @@ class Orchestrator:
         assert self._loop is not None
         session.started = session.last_activity = self._loop.time()
         session.completion_grace_s = getattr(self.bridge, "trailing_text_s", 0.0)
+        session.tail = self.engine.tail
         self._by_slot[slot] = session
         self.counts.sessions_accepted += 1
         self.bridge.open(slot, session.generation, params or {})
@@ -215,6 +216,9 @@ class Orchestrator:
             assert self._loop is not None
             self._loop.call_later(session.completion_grace_s, self._complete, session)
             return
+        if session.end_due:  # before the first tail frame: the engine marks that frame's index
+            session.end_due = False
+            self.bridge.end_input(session.slot, session.generation, session.frames_in)
         frames = session.frames_ready()
         if frames:
             slot, generation, try_submit = session.slot, session.generation, self.bridge.try_submit
@@ -312,6 +316,7 @@ class Orchestrator:
                         touched[id(session)] = session
                 continue
             audio, text = out.audio, out.text
+            finished = set(out.finished) if out.finished else ()
             for row, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
                 session = by_slot[slot]
                 if session is None or session.generation != generation:
@@ -319,7 +324,7 @@ class Orchestrator:
                 if audio is None:  # text whose frame already went out (vLLM-Omni)
                     session.deliver_text(text[row])
                 else:
-                    session.deliver(audio[row], text.get(row) if text else None)
+                    session.deliver(audio[row], text.get(row) if text else None, row in finished)
                 touched[id(session)] = session
         if not self._notify_pending:
             self._notify()

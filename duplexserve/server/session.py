@@ -7,8 +7,10 @@ get, in order, to whichever adapter owns the socket. Every protocol adapter and 
 test drives this same object, the way ``websockets`` drives its sans-I/O ``Protocol``.
 
 Counting: ``frames_in`` are whole input frames accepted, ``frames_out`` the answers
-queued toward the client. At the close, ``frames_dropped = frames_in - frames_out``,
-so nothing is lost without being counted.
+queued toward the client, ``frames_tail`` those of them that follow ``input.end`` (the
+model finishing its answer on silence: the engine's ``Tail``). At the close,
+``frames_dropped = frames_in - (frames_out - frames_tail)``, the input frames never
+answered, so nothing is lost without being counted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_SAMPLES
+from duplexserve.engine_bridge.engine import NO_TAIL, Tail
 from duplexserve.errors import SessionError
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 from duplexserve.server.turnaround import FrameTimer
@@ -39,6 +42,12 @@ class Limits:
     inflight_frames: int = 8  # handed to the engine and not yet answered
     max_pending_frames: int = 64  # cut but not yet handed over; reading pauses past it
     max_output_frames: int = 256  # answered but not yet taken by the socket writer
+    max_tail_frames: int = 125  # after input.end, a model finishing on its own: at most (10 s)
+
+
+#: The tail's input: silence, one read-only frame shared by every session.
+SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+SILENCE.flags.writeable = False
 
 
 def no_notify() -> None:
@@ -74,6 +83,13 @@ class Session:
         #: Every frame is answered after input.end; whoever owns the clock closes it after
         #: the grace (``Orchestrator.pump``).
         self.complete_due = False
+        #: What the engine needs after input.end (set at open); ``end_due``: the engine is
+        #: still to be told that the input ended (a tail that runs until the model is done).
+        self.tail: Tail = NO_TAIL
+        self.end_due = False
+        self.frames_tail = 0  # tail frames answered
+        self._tail_left = 0  # tail frames still to hand to the engine
+        self._tail_pushed = 0
         self._partial = np.zeros(0, dtype=np.float32)
         self._pending: collections.deque[np.ndarray] = collections.deque()
         self._out: collections.deque[Outgoing] = collections.deque()
@@ -151,6 +167,9 @@ class Session:
             if self._arrived is not None:
                 self._arrived((self.frames_in, self.last_activity))
         self.state = State.ENDING
+        tail = self.tail
+        self._tail_left = self.limits.max_tail_frames if tail.until_done else tail.frames
+        self.end_due = tail.until_done
         self._maybe_complete()
 
     def drop_partial(self) -> None:
@@ -162,6 +181,8 @@ class Session:
         """Frames the engine may take now, oldest first, within the in-flight window."""
         room = self.limits.inflight_frames - self.inflight
         pending = self._pending
+        if not pending and self._tail_left and not self.closed:
+            self._push_tail(room)
         if room <= 0 or not pending or self.closed:
             return []
         if room >= len(pending):
@@ -172,19 +193,34 @@ class Session:
         self.inflight += len(ready)
         return ready
 
+    def _push_tail(self, room: int) -> None:
+        """After input.end and every input frame handed over: silence for the tail, one
+        frame at a time while the model may end its answer at any step (each answer says
+        whether it did), else as many as the window takes."""
+        count = int(self.inflight == 0) if self.tail.until_done else min(room, self._tail_left)
+        for _ in range(count):
+            self._pending.append(SILENCE)
+        self._tail_left -= count
+        self._tail_pushed += count
+
     def unready(self, frames: list[np.ndarray]) -> None:
         """Take back frames the engine could not take yet; they go first next time."""
         self._pending.extendleft(reversed(frames))
         self.inflight -= len(frames)
 
     # ---------------------------------------------------------------- output side
-    def deliver(self, audio: np.ndarray, text: str | None = None) -> None:
-        """The engine's answer to the oldest frame in flight."""
+    def deliver(self, audio: np.ndarray, text: str | None = None, finished: bool = False) -> None:
+        """The engine's answer to the oldest frame in flight; ``finished``: the model ended
+        its answer with it (after input.end, no more tail)."""
         if self.closed:
             return
         self.inflight -= 1
         index = self.frames_out
         self.frames_out += 1
+        if index >= self.frames_in:
+            self.frames_tail += 1
+        if finished:
+            self._tail_left = 0
         self._out.append(AudioOut(index, audio))
         self._queued_frames += 1
         if text:
@@ -203,7 +239,8 @@ class Session:
             self._out.append(TextOut(max(self.frames_out - 1, 0), text))
 
     def _maybe_complete(self) -> None:
-        if self.frames_out == self.frames_in and not self._pending:
+        every = self.frames_in + self._tail_pushed
+        if self.frames_out == every and not self._pending and not self._tail_left:
             if self.completion_grace_s:
                 self.complete_due = True
             else:
@@ -226,10 +263,14 @@ class Session:
         """End now. Frames not answered by this point are counted as dropped."""
         if self.closed:
             return
+        ended_input = self.state is State.ENDING
         self.state = State.CLOSED
         self._pending.clear()
+        self._tail_left = 0
+        answered = self.frames_out - self.frames_tail
+        tail = self.frames_tail if ended_input and self.tail != NO_TAIL else None
         self.closed_event = ClosedOut(
-            reason, close_code, self.frames_in, self.frames_out, self.frames_in - self.frames_out
+            reason, close_code, self.frames_in, self.frames_out, self.frames_in - answered, tail
         )
         self._out.append(self.closed_event)
 

@@ -192,6 +192,7 @@ class MoshiEngine(Engine):
         if self.depformer == "lean" and not install_lean_depformer(lm):
             log.warning("moshi engine: this LM's depformer cannot take the unmasked attention; stock")
         self.delay_frames = max(lm.delays)
+        self.tail = self.family.tail(self.delay_frames)
         self._skip_text = (lm.existing_text_padding_id, lm.existing_text_end_padding_id)
         self.lm_gen = LMGen(
             lm,
@@ -220,10 +221,12 @@ class MoshiEngine(Engine):
         n = self.frame_samples
         self.num_slots = b
         self._steps = np.zeros(b, dtype=np.int64)
+        self._eoi_at = np.full(b, -1, dtype=np.int64)  # per slot: index of its end-of-input frame
         pin = self.device.type == "cuda"
         self._exec_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)
         self._exec = self._exec_host.numpy()
         self._decode_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)
+        self._encode_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)  # without those rows
         self._decode = self._decode_host.numpy()
         mimi_dtype = next(self.mimi.parameters()).dtype  # float32, as Kyutai runs it (float64: tests)
         self._in_host = torch.zeros((b, 1, n), dtype=mimi_dtype, pin_memory=pin)
@@ -341,15 +344,23 @@ class MoshiEngine(Engine):
                 self.step(everyone, silence)
         self._rows.map.clear()
         self._steps[:] = 0
+        self._eoi_at[:] = -1
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._rows.map.open(slot)  # the lowest free row, reset before it next steps
         self._steps[slot] = 0
+        self._eoi_at[slot] = -1
 
     def close(self, slot: int) -> None:
         self._rows.map.close(slot)  # its row's state stays until an open resets it
         self._steps[slot] = 0
+        self._eoi_at[slot] = -1
+
+    def end_input(self, slot: int, frames: int) -> None:
+        """A translation model is told the input ended with its frame ``frames`` (families.py)."""
+        if self.family.ends_on_eos:
+            self._eoi_at[slot] = frames
 
     def rows_of(self, slots: np.ndarray) -> np.ndarray:
         """Where ``slots`` are in the batched state now (row_buckets.py): tests and benchmarks
@@ -373,12 +384,23 @@ class MoshiEngine(Engine):
             self._in_np[rows] = frames
             if self._in_dev is not self._in_host:
                 self._in_dev[:size].copy_(self._in_host[:size], non_blocking=True)
-            self._mask_dev.copy_(self._exec_host, non_blocking=True)
-            if self._mask_lm is not self._mask_dev:
-                self._mask_lm.view(2, -1).copy_(self._mask_dev.expand(2, -1))
+            eoi_at = self._eoi_at[slots]
+            end_rows = rows[eoi_at == self._steps[slots]]  # this step's end-of-input frames
+            if len(end_rows):  # Mimi does not encode them: their codes say the input ended
+                encode_mask = self._encode_host.numpy()
+                encode_mask[:] = exec_mask
+                encode_mask[end_rows] = False
+                self._mask_dev.copy_(self._encode_host, non_blocking=True)
+            else:
+                self._mask_dev.copy_(self._exec_host, non_blocking=True)
+            self._refresh_lm_mask()
             codes = self._mimi_encode(self._in_dev[:size])
             if self.family.first_frame_reset:
                 self._reset_after_first_frame(slots, rows, size)
+            if len(end_rows):
+                codes[torch.from_numpy(end_rows).to(self.device)] = self.mimi.cardinality
+                self._mask_dev.copy_(self._exec_host, non_blocking=True)
+                self._refresh_lm_mask()
             tokens = self.lm_gen.step(codes)
             assert tokens is not None  # support_out_of_sync: never None
             steps = self._steps[slots] + 1
@@ -398,10 +420,20 @@ class MoshiEngine(Engine):
         audio = self._out_np[rows]  # fancy indexing: a copy, the buffers are reused
         audio[~ready] = 0.0
         text = self._text(rows, ready) if self.tokenizer is not None else {}
+        finished = None
+        if (eoi_at >= 0).any():  # past its end-of-input frame, a row ends at its end of text
+            done = (eoi_at >= 0) & (steps > eoi_at) & ready
+            done &= self._text_np[rows] == self.family.eos_text_id
+            finished = np.flatnonzero(done).tolist() or None
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - started
         self.timings["host_s"] += queued - started
-        return StepResult(audio, text)
+        return StepResult(audio, text, finished)
+
+    def _refresh_lm_mask(self) -> None:
+        """Under guidance the LM's modules read the slots' mask repeated (``_share_exec_mask``)."""
+        if self._mask_lm is not self._mask_dev:
+            self._mask_lm.view(2, -1).copy_(self._mask_dev.expand(2, -1))
 
     def _reset_after_first_frame(self, slots: np.ndarray, rows: np.ndarray, size: int) -> None:
         """moshi.server's first-frame rule, per slot: reset Mimi once a session's first frame

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from duplexserve.engine_bridge.engine import Tail
+
 
 @dataclass(frozen=True)
 class Family:
@@ -19,11 +21,21 @@ class Family:
     # so its second frame is encoded as if it started the stream (moshi PR #200); LMGen
     # discards the first frame's codes either way.
     first_frame_reset: bool = True
+    # After input.end (PROTOCOL.md): a dialogue model is stepped on silence for its delay,
+    # so the answer to the last frame is heard. A translation model is told the input
+    # ended as moshi's run_inference tells Hibiki: one frame whose codes are ``card`` on
+    # every input codebook (Mimi does not encode it), then silence until the text stream
+    # samples its end of text (``eos_text_id``, the tokenizer's ``eos_id()``).
+    ends_on_eos: bool = False
+    eos_text_id: int = 2
+
+    def tail(self, delay: int) -> Tail:
+        return Tail(until_done=True) if self.ends_on_eos else Tail(frames=delay)
 
 
 FAMILIES: dict[str, Family] = {
     "moshi": Family("moshi"),
-    "hibiki": Family("hibiki"),  # Hibiki and Hibiki-Zero: moshi.server's loop
+    "hibiki": Family("hibiki", ends_on_eos=True),  # Hibiki and Hibiki-Zero: moshi.server's loop
 }
 
 

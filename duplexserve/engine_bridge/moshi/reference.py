@@ -34,10 +34,13 @@ def stock_models(engine: Any, context: int = 0) -> tuple[Any, Any, str]:
 
 
 def server_loop(
-    models: tuple[Any, Any, str], frames: np.ndarray, cfg_coef: float = 1.0
+    models: tuple[Any, Any, str], frames: np.ndarray, cfg_coef: float = 1.0, end_of_input: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """moshi.server's loop, greedy, over ``frames`` on ``(mimi, lm, model_type)``: the audio
-    (silence while LMGen returns None) and the tokens of every frame it answers."""
+    (silence while LMGen returns None) and the tokens of every frame it answers.
+
+    With ``end_of_input``, frame ``end_of_input`` is not encoded: its codes are ``card`` on
+    every codebook, as moshi's run_inference tells Hibiki that its input ended."""
     import torch
     from moshi.models import LMGen
     from moshi.run_inference import get_condition_tensors
@@ -49,7 +52,10 @@ def server_loop(
     audio, tokens = [], []
     with torch.no_grad(), mimi.streaming(1), lm_gen.streaming(1):
         for i, frame in enumerate(frames):
-            codes = mimi.encode(torch.from_numpy(frame).to(lm.device, dtype).view(1, 1, -1))
+            if i == end_of_input:
+                codes = torch.full((1, mimi.num_codebooks, 1), mimi.cardinality, device=lm.device)
+            else:
+                codes = mimi.encode(torch.from_numpy(frame).to(lm.device, dtype).view(1, 1, -1))
             if i == 0:
                 mimi.reset_streaming()  # the server's first-frame rule
             out = lm_gen.step(codes)
