@@ -5,8 +5,12 @@
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
 #   steps-live              step time against live sessions (8, 32, 128, 384) in engines built for
 #                           8, 32, 128 and 384 slots, hibiki-2b, int8 ring (issue 37)
+#   steps-MODEL[-int8]      step time against batch size ($STEPS_BATCHES, default
+#                           64,128,256,384,512), MODEL as in rtf-MODEL-N
 #   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-ctxC][-tickT]
-#                           paced RTF run, MODEL hibiki or moshi7b, N sessions; engine in its
+#                           paced RTF run, MODEL a preset's name without its dashes (moshi7b,
+#                           hibiki2b, hibikizero3b, hibiki2bclass) or hibiki (hibiki-2b), zero3b
+#                           (hibiki-zero-3b), hibikiclass (hibiki-2b-class); N sessions; engine in its
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
 #                           stock attention (--moshi-depformer stock), Mimi's stock
 #                           attention (--moshi-mimi-attention stock), Mimi's float32
@@ -16,6 +20,8 @@
 #   breakdown | attention | agreement | mimi
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
 #                           Mimi's float32 matmuls as TF32 against float32)
+#   breakdown-S | agreement-S | attention-S
+#                           the same with the arguments in $MOSHI_STEP_ARGS_<S in capitals>
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -26,6 +32,15 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, moshi, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'moshi', moshi.__version__, 'numpy', numpy.__version__)"
 nproc
+preset_of() {  # a phase's MODEL: a short name, or a preset's name without its dashes
+  case "$1" in
+    hibiki) echo hibiki-2b ;;
+    zero3b) echo hibiki-zero-3b ;;
+    hibikiclass) echo hibiki-2b-class ;;
+    *) python3 -c "import sys; from duplexserve.engine_bridge.moshi.presets import PRESETS
+print(next(n for n in PRESETS if n.replace('-', '') == sys.argv[1]))" "$1" ;;
+  esac
+}
 for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in
@@ -35,15 +50,21 @@ for phase in "$@"; do
     steps-live)
       python3 -m duplexserve bench moshi-steps --preset hibiki-2b --kv-dtype int8 --batches 8,32,128,384 \
         --live 8,32,128,384 --steps 50 --out "$OUT/steps-live.json" ;;
+    steps-*)
+      IFS=- read -r -a parts <<<"$phase"
+      preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
+      kv=$([ "${parts[2]:-}" = int8 ] && echo int8 || echo bf16)
+      python3 -m duplexserve bench moshi-steps --preset "$preset" --kv-dtype "$kv" \
+        --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$phase.json" ;;
     breakdown|attention|agreement|mimi)
       python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
-    breakdown-*|agreement-*)
+    breakdown-*|agreement-*|attention-*)
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
       part="${phase%%-*}"; suffix="${phase#*-}"; var="MOSHI_STEP_ARGS_${suffix^^}"
       python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$phase.json" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"
-      preset=$([ "${parts[1]}" = moshi7b ] && echo moshi-7b || echo hibiki-2b)
+      preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
       n="${parts[2]}"
       flags=()
       for extra in "${parts[@]:3}"; do

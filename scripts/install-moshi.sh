@@ -6,7 +6,14 @@
 # would replace the torch in place with a <2.10 build of several GB, so the steps are:
 # torch pinned first (the CPU build, which this machine keeps as a local wheel), then
 # moshi with --no-deps, then only the packages moshi imports at run time, with the
-# ranges it declares. Nothing here downloads model weights.
+# ranges it declares (numpy with duplexserve's: moshi's <2.3 is too narrow, see above),
+# so that a fresh venv (docker/Dockerfile.gpu's layer before the package) can import it.
+# Nothing here downloads model weights.
+#
+# DUPLEXSERVE_TORCH_VERSION picks torch (default below); PyPI's Linux x86_64 wheel of it is
+# the CUDA build (2.13.0: CUDA 13.0, its libraries as nvidia-* and cuda-toolkit wheels).
+# DUPLEXSERVE_TORCH_CUDA=1 fails unless the torch installed is a CUDA build (the GPU
+# image sets it, so that a CPU-only mirror or a CPU torch already present cannot pass).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -16,5 +23,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q --no-deps "moshi==0.2.13"
 "$PY" -m pip install -q "safetensors>=0.4,<0.8" "huggingface-hub>=0.24,<1.0" "einops>=0.7,<0.9" \
-  "sentencepiece>=0.2,<0.3"
-"$PY" -c "import moshi.models, torch; print('moshi', moshi.__version__, 'torch', torch.__version__)"
+  "sentencepiece>=0.2,<0.3" "numpy>=1.26,<3"
+"$PY" -c "import moshi.models, torch; print('moshi', moshi.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+if [ "${DUPLEXSERVE_TORCH_CUDA:-0}" = 1 ] && ! "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
+  echo "install-moshi.sh: DUPLEXSERVE_TORCH_CUDA=1 but the torch installed is not a CUDA build" >&2
+  exit 1
+fi

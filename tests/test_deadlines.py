@@ -33,6 +33,23 @@ def test_timer_pairs_each_output_frame_with_the_message_that_carried_its_input()
     assert totals.buckets.sum() == 6
 
 
+def test_tail_frames_after_input_end_are_not_timed():
+    """Output frames past the last input frame (input.end's tail) answer no message: a
+    translation model's tail can run for seconds, which is no turnaround of the server."""
+    totals = TurnaroundTotals(late_s=0.2)
+    timer = FrameTimer(totals)
+    timer.arrived(3, 10.0)
+    for i, t in enumerate([10.05, 10.06, 10.07, 12.0, 14.0]):  # frames 3 and 4: the tail
+        timer.sent(i, t)
+    timer.flush()
+    assert timer.count == totals.count == 3 and timer.late == 0
+    assert abs(timer.summary()["max"] - 70.0) < 1e-6
+    for i, t in enumerate([16.0, 18.0], start=5):  # more of the tail, flushed alone
+        timer.sent(i, t)
+    timer.flush()
+    assert timer.count == 3
+
+
 def test_timer_flushes_in_bulk_and_forgets_what_it_timed():
     totals = TurnaroundTotals()
     timer = FrameTimer(totals)

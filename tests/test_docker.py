@@ -33,7 +33,7 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None, cpu: bool 
         args += ["-f", str(DOCKER / "compose.cpu.yaml")]
     for profile in profiles:
         args += ["--profile", profile]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXSERVE_", "COMPOSE_"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXSERVE_", "COMPOSE_", "HF_"))}
     out = subprocess.run(
         [*args, "config"], capture_output=True, text=True, cwd=DOCKER, check=False,
         env={**clean, **(env or {})},
@@ -63,6 +63,30 @@ def test_compose_configuration_comes_from_the_environment() -> None:
     assert server["environment"]["DUPLEXSERVE_MAX_SESSIONS"] == "96"
     assert server["environment"]["NVIDIA_VISIBLE_DEVICES"] == "3"
     assert "/srv/w:/models:ro" in server["volumes"]
+
+
+def test_compose_serves_a_repository_from_the_host_hugging_face_cache_read_only() -> None:
+    # Without HF_HOME: huggingface_hub's default cache of the user running compose.
+    default = compose_config(env={"HOME": "/home/someone"})["services"]["duplexserve"]
+    assert "/home/someone/.cache/huggingface:/huggingface:ro" in default["volumes"]
+    assert default["environment"]["DUPLEXSERVE_MOSHI_HF_REPO"] == ""  # the folder, as before
+    assert default["environment"]["DUPLEXSERVE_MOSHI_WEIGHTS"] == "/models"
+
+    env = {"HF_HOME": "/srv/hf", "DUPLEXSERVE_MOSHI_HF_REPO": "kyutai/hibiki-2b-pytorch-bf16",
+           "DUPLEXSERVE_MOSHI_WEIGHTS": ""}
+    services = compose_config("scale", env=env)["services"]
+    for name in ("duplexserve", "duplexserve-1"):
+        server = services[name]
+        assert "/srv/hf:/huggingface:ro" in server["volumes"]
+        assert any(v.endswith(":/models:ro") for v in server["volumes"])
+        environment = server["environment"]
+        assert environment["DUPLEXSERVE_MOSHI_HF_REPO"] == "kyutai/hibiki-2b-pytorch-bf16"
+        assert environment["DUPLEXSERVE_MOSHI_WEIGHTS"] == ""  # one checkpoint, the repository
+        # The image's cache location, offline: a missing file is an error, never a download.
+        assert (environment["HF_HOME"], environment["HF_HUB_CACHE"]) == ("/huggingface", "/huggingface/hub")
+        assert environment["HF_HUB_OFFLINE"] == "1"
+    dockerfile = (DOCKER / "Dockerfile.gpu").read_text()
+    assert "HF_HOME=/huggingface " in dockerfile and "HF_HUB_CACHE=/huggingface/hub " in dockerfile
 
 
 def test_compose_profiles_add_loadgen_and_scale_out() -> None:

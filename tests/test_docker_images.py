@@ -2,7 +2,10 @@
 (scripts/docker-base.sh), the CPU image, the loadgen image and the nginx image on it,
 then the CPU image alone and compose's ``scale`` and ``loadgen`` profiles with
 docker/compose.cpu.yaml, all driven from outside the containers through ports published
-on 127.0.0.1.
+on 127.0.0.1. Last, the GPU image (docker/Dockerfile.gpu, PyPI's CUDA torch, about 5 GB)
+on the same base: its moshi engine serves a tiny checkpoint in the released layout on the
+CPU, mounted read-only as a folder and as a Hugging Face cache, compared with the same
+checkpoint served outside the container; and a code change rebuilds it from its cached layers.
 
 Needs a running Docker engine (Debian's docker.io; .ci/run starts dockerd), mmdebstrap
 and docker-compose, and the Debian mirror and the package index that the builds install
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.native_client import converse, signal
@@ -95,28 +99,74 @@ def image_mb(name: str) -> float:
     return int(sh("docker", "image", "inspect", "--format", "{{.Size}}", name).stdout) / 1e6
 
 
+def dangling() -> set[str]:
+    return set(sh("docker", "images", "-q", "--filter", "dangling=true").stdout.split())
+
+
+def build_timed(report: dict[str, dict[str, float]], label: str, image: str, *command: str,
+                timeout: float = 900) -> None:
+    """Run a build command; its time and the image's size go into ``report``."""
+    start = time.monotonic()
+    sh(*command, env=BUILD_ENV, timeout=timeout)
+    report[label] = {"seconds": round(time.monotonic() - start, 1), "mb": round(image_mb(image))}
+
+
+def record(request, report: dict[str, dict[str, float]], labels: list[str]) -> None:
+    """Print the builds of ``labels`` and write every build so far to build/docker-images.json."""
+    summary = ", ".join(f"{k} {report[k]['mb']:.0f} MB in {report[k]['seconds']:.0f} s" for k in labels)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\ndocker images built: {summary}")
+    (ROOT / "build").mkdir(exist_ok=True)
+    (ROOT / "build" / "docker-images.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def remove_images(built: list[str], dangling_before: set[str]) -> None:
+    """Remove ``built`` and the untagged images that appeared since, unless told to keep them."""
+    if not os.environ.get("DUPLEXSERVE_DOCKER_KEEP") and built:
+        sh("docker", "image", "rm", "--force", *built, check=False)
+        if dangling() - dangling_before:
+            sh("docker", "image", "rm", *(dangling() - dangling_before), check=False)
+
+
+@dataclass
+class Base:
+    name: str
+    report: dict[str, dict[str, float]] = field(default_factory=dict)  # every build of the run
+
+
 @pytest.fixture(scope="session")
-def images(request) -> Iterator[Images]:
+def base() -> Iterator[Base]:
+    """The base from Debian packages, made once per run (or DUPLEXSERVE_DOCKER_BASE)."""
     require_docker()
+    given = os.environ.get("DUPLEXSERVE_DOCKER_BASE")
+    made = Base(given or f"duplexserve-ci:base-{RUN}")
+    try:
+        if not given:
+            build_timed(made.report, "base", made.name, "scripts/docker-base.sh", "--tag", made.name)
+        yield made
+    finally:
+        remove_images([] if given else [made.name], dangling())
+
+
+@pytest.fixture(scope="session")
+def images(request, base) -> Iterator[Images]:
     names = Images(
-        base=os.environ.get("DUPLEXSERVE_DOCKER_BASE") or f"duplexserve-ci:base-{RUN}",
-        cpu=f"duplexserve-ci:cpu-{RUN}", loadgen=f"duplexserve-ci:loadgen-{RUN}",
-        nginx=f"duplexserve-ci:nginx-{RUN}",
+        base=base.name, cpu=f"duplexserve-ci:cpu-{RUN}", loadgen=f"duplexserve-ci:loadgen-{RUN}",
+        nginx=f"duplexserve-ci:nginx-{RUN}", report=base.report,
     )
     built: list[str] = []
     # The legacy builder leaves each multi-stage build's first stage as an untagged image:
     # those that appear during this run go too.
-    dangling_before = set(sh("docker", "images", "-q", "--filter", "dangling=true").stdout.split())
+    dangling_before = dangling()
 
     def timed(label: str, image: str, *command: str) -> None:
-        start = time.monotonic()
-        sh(*command, env=BUILD_ENV, timeout=900)
+        build_timed(names.report, label, image, *command)
         built.append(image)
-        names.report[label] = {"seconds": round(time.monotonic() - start, 1), "mb": round(image_mb(image))}
 
     try:
-        if not os.environ.get("DUPLEXSERVE_DOCKER_BASE"):
-            timed("base", names.base, "scripts/docker-base.sh", "--tag", names.base)
         build = ("docker", "build", "--network", "host", "--quiet")
         timed("cpu", names.cpu, *build, "-f", "docker/Dockerfile",
               "--build-arg", f"PYTHON_IMAGE={names.base}", "-t", names.cpu, ".")
@@ -125,21 +175,10 @@ def images(request) -> Iterator[Images]:
               "-t", names.loadgen, ".")
         timed("nginx", names.nginx, *build, "--build-arg", f"BASE_IMAGE={names.base}",
               "-t", names.nginx, "docker/nginx")
-        summary = ", ".join(f"{k} {v['mb']:.0f} MB in {v['seconds']:.0f} s" for k, v in names.report.items())
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(f"\ndocker images built: {summary}")
-        (ROOT / "build").mkdir(exist_ok=True)
-        (ROOT / "build" / "docker-images.json").write_text(json.dumps(names.report, indent=1) + "\n")
+        record(request, names.report, list(names.report))
         yield names
     finally:
-        if not os.environ.get("DUPLEXSERVE_DOCKER_KEEP") and built:
-            sh("docker", "image", "rm", "--force", *built, check=False)
-            dangling = set(sh("docker", "images", "-q", "--filter", "dangling=true").stdout.split())
-            if dangling - dangling_before:
-                sh("docker", "image", "rm", *(dangling - dangling_before), check=False)
+        remove_images(built, dangling_before)
 
 
 # ------------------------------------------------------------------ helpers
@@ -201,19 +240,33 @@ def frames_of(count: int, seed: int) -> list[bytes]:
 # -------------------------------------------------- the CPU image on its own
 
 @contextlib.contextmanager
-def cpu_container(images: Images, *env: str) -> Iterator[tuple[str, str]]:
-    """Run the CPU image detached; yields (container, host:port)."""
+def container(image: str, *env: str, run_args: tuple[str, ...] = (),
+              start_s: float = 60) -> Iterator[tuple[str, str]]:
+    """Run ``image`` detached with ``env`` (NAME=VALUE) and more ``docker run`` arguments;
+    yields (container, host:port) once its /health answers."""
     args = [a for e in env for a in ("-e", e)]
     name = f"duplexserve-ci-{RUN}-{time.monotonic_ns()}"
-    sh("docker", "run", "--detach", "--name", name, "--publish", "127.0.0.1::8998", *args, images.cpu)
+    sh("docker", "run", "--detach", "--name", name, "--publish", "127.0.0.1::8998", *args, *run_args, image)
     try:
         http = published(name, 8998)
-        wait_for("/health", lambda: httpx.get(f"http://{http}/health", timeout=2).status_code == 200)
+        wait_for("/health", lambda: httpx.get(f"http://{http}/health", timeout=2).status_code == 200,
+                 timeout=start_s)
         yield name, http
     finally:
         logs = sh("docker", "logs", "--tail", "40", name, check=False)
         sh("docker", "rm", "--force", name, check=False)
         print(logs.stdout, logs.stderr)
+
+
+def cpu_container(images: Images, *env: str) -> contextlib.AbstractContextManager[tuple[str, str]]:
+    """Run the CPU image detached; yields (container, host:port)."""
+    return container(images.cpu, *env)
+
+
+def pid1_uids(name: str) -> set[str]:
+    """The real, effective, saved and file-system uids of the container's PID 1."""
+    status = sh("docker", "exec", name, "cat", "/proc/1/status").stdout
+    return set(next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")))
 
 
 def test_cpu_image_serves_from_outside_as_non_root_and_turns_healthy(images) -> None:
@@ -249,9 +302,7 @@ def test_cpu_image_serves_from_outside_as_non_root_and_turns_healthy(images) -> 
 
         # Non-root: the image says so, and the server (PID 1) runs as 10001.
         assert inspect(name, "{{.Config.User}}") == "10001"
-        status = sh("docker", "exec", name, "cat", "/proc/1/status").stdout
-        uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
-        assert set(uids) == {"10001"}, status
+        assert pid1_uids(name) == {"10001"}
         assert "duplexserve" in sh("docker", "exec", name, "cat", "/proc/1/cmdline").stdout
 
         # The image's HEALTHCHECK (every 10 s) turns the container healthy.
@@ -341,6 +392,7 @@ def stack(images, tmp_path_factory) -> Iterator[Stack]:
     results.mkdir()
     results.chmod(0o777)  # loadgen writes as its own user, 10001
     (tmp / "models").mkdir()
+    (tmp / "hf").mkdir()
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXSERVE_", "COMPOSE_"))}
     env = {
         **clean,
@@ -353,6 +405,7 @@ def stack(images, tmp_path_factory) -> Iterator[Stack]:
         "DUPLEXSERVE_PUBLISH_PORT_1": "127.0.0.1:",
         "DUPLEXSERVE_LB_PORT": "127.0.0.1:",
         "DUPLEXSERVE_WEIGHTS_DIR": str(tmp / "models"),
+        "HF_HOME": str(tmp / "hf"),  # mounted read-only; not this machine's cache
         "DUPLEXSERVE_RESULTS_DIR": str(results),
         # compose's 65536 open files, or this machine's hard limit where that is lower
         "DUPLEXSERVE_NOFILE": str(min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])),
@@ -463,3 +516,255 @@ def test_compose_scale_a_stopped_replica_drains_while_new_sessions_go_elsewhere(
     assert stopper.seconds < 30, stopper.seconds  # drained by itself, not at the grace or a kill
     assert inspect(replica, "{{.State.Running}} {{.State.ExitCode}}") == "false 0"
     assert httpx.get(f"http://{stack.lb}/lb-health", timeout=5).status_code == 200
+
+
+# ------------------------- the GPU image: the moshi engine, on the CPU here
+
+# The engine's settings in the container and in the reference server outside it: greedy
+# decoding in float64 on one thread, so that a session's answer is a function of its input
+# alone, whichever torch build (CUDA in the image, CPU here) computes it.
+MOSHI_ENV = {
+    "DUPLEXSERVE_ENGINE": "moshi", "DUPLEXSERVE_DEVICE": "cpu", "DUPLEXSERVE_MOSHI_GREEDY": "true",
+    "DUPLEXSERVE_MOSHI_DTYPE": "float64", "DUPLEXSERVE_MOSHI_THREADS": "1", "DUPLEXSERVE_MAX_SESSIONS": "4",
+}
+GPU_GRACE_S = 30
+NATIVE_FRAMES = 25
+HF_REPO = "duplexserve-ci/tiny-pytorch-bf16"
+HF_REVISION = "0123456789abcdef0123456789abcdef01234567"
+# The CUDA torch is several GB: what the build and the image need on Docker's disk.
+GPU_BUILD_GB = 15
+
+
+@dataclass
+class Checkpoint:
+    folder: Path  # a released repository's layout (config.json, safetensors, tokenizer)
+    hf_home: Path  # the same files as a Hugging Face cache: hub/models--OWNER--NAME/...
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Checkpoint:
+    """The tiny preset with random weights, written as tests/test_moshi_checkpoints.py
+    writes a released checkpoint, readable by the container's user (10001)."""
+    from tests.test_moshi_checkpoints import write_checkpoint
+    from tests.test_moshi_engine import _tokenizer
+
+    tmp = tmp_path_factory.mktemp("gpu-checkpoint")
+    _tokenizer(tmp / "spm.model")
+    folder = tmp / "tiny-pytorch-bf16"
+    write_checkpoint(folder, "tiny", tmp / "spm.model")
+    hf_home = tmp / "hf"
+    repo = hf_home / "hub" / f"models--{HF_REPO.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / HF_REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HF_REVISION)
+    for path in [tmp, *tmp.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return Checkpoint(folder, hf_home)
+
+
+@dataclass
+class Reference:
+    native: Any  # tests.native_client.Result of NATIVE_FRAMES frames
+    chat_text: list[str]  # the text of the /api/chat session
+
+
+@pytest.fixture(scope="module")
+def host_reference(tiny_checkpoint, tmp_path_factory) -> Iterator[Reference]:
+    """The same checkpoint with the same settings, served outside any container."""
+    from tests.conftest import start_server
+
+    env = {**MOSHI_ENV, "DUPLEXSERVE_MOSHI_WEIGHTS": str(tiny_checkpoint.folder)}
+    server = start_server(str(tmp_path_factory.mktemp("gpu-reference")), env=env, timeout=120)
+    try:
+        native = native_session(f"127.0.0.1:{server.port}")
+        chat = chat_session(f"127.0.0.1:{server.port}")
+        yield Reference(native, chat.text)
+    finally:
+        server.stop()
+
+
+def native_session(http: str, frames: int = NATIVE_FRAMES) -> Any:
+    """A duplex/1 session of ``frames`` frames (20 ms apart), checked to end completed."""
+    sent = frames_of(frames, seed=23)
+    result = asyncio.run(converse(f"ws://{http}/v1/duplex", sent, gap=0.02, timeout=120))
+    assert result.created["engine"] == "moshi", result.created
+    closed = result.closed
+    assert closed is not None and closed["reason"] == "completed", result.events
+    # Every frame answered; after input.end a model with a tail may add frames (frames_tail).
+    tail = closed.get("frames_tail", 0)
+    assert (closed["frames_in"], closed["frames_out"], closed["frames_dropped"]) == (frames, frames + tail, 0)
+    assert [len(f) for f in result.frames] == [1920 * 4] * (frames + tail)  # float32, 80 ms each
+    return result
+
+
+def texts(result: Any) -> list[tuple[int, str]]:
+    return [(e["frame"], e["text"]) for e in result.of_type("text.delta")]
+
+
+def chat_session(http: str) -> Any:
+    """Kyutai's protocol at /api/chat with a client that behaves like Kyutai's (Ogg/Opus)."""
+    from tests.test_moshi_protocol import WEB_QUERY, voice
+    from tests.test_moshi_protocol import converse as kyutai_converse
+
+    sent = voice(NATIVE_FRAMES)
+    chat = asyncio.run(kyutai_converse(f"ws://{http}/api/chat?{WEB_QUERY}", sent))
+    assert chat.handshake == b"\x00" + bytes(8) and chat.errors == []
+    assert chat.first_audio.startswith(b"OggS") and b"OpusHead" in chat.first_audio
+    assert len(chat.pcm) >= len(sent) - 1920
+    return chat
+
+
+def assert_same_answer(got: Any, reference: Any) -> None:
+    """Frame for frame the reference's audio, token for token its text."""
+    assert texts(got) == texts(reference)
+    assert len(got.frames) == len(reference.frames)
+    # Same input, same weights, same greedy float64 computation; the torch builds differ
+    # (CUDA's in the image, the CPU one outside), hence a tolerance far below one LSB of
+    # 16-bit audio (measured here: identical to the bit).
+    audio, expected = (np.frombuffer(b"".join(r.frames), np.float32) for r in (got, reference))
+    np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="session")
+def gpu_image(base, request) -> Iterator[str]:
+    """docker/Dockerfile.gpu on the same Debian base, its time and size in the report."""
+    root = sh("docker", "info", "--format", "{{.DockerRootDir}}").stdout.strip()
+    free_gb = shutil.disk_usage(root if os.path.isdir(root) else "/").free / 1e9
+    if free_gb < GPU_BUILD_GB:
+        pytest.fail(f"the GPU image needs about {GPU_BUILD_GB} GB free in {root}, {free_gb:.0f} GB are")
+    name = f"duplexserve-ci:gpu-{RUN}"
+    before = dangling()
+    built: list[str] = []
+    try:
+        build_timed(base.report, "gpu", name, "docker", "build", "--network", "host", "--quiet",
+                    "-f", "docker/Dockerfile.gpu", "--build-arg", f"BASE_IMAGE={base.name}",
+                    "-t", name, ".", timeout=1800)
+        built.append(name)
+        record(request, base.report, [k for k in ("base", "gpu") if k in base.report])
+        yield name
+    finally:
+        remove_images(built, before)
+
+
+def test_gpu_image_has_cuda_torch_and_moshi_as_install_moshi_pins_them(gpu_image) -> None:
+    script = (ROOT / "scripts" / "install-moshi.sh").read_text()
+    torch_pin = script.split('DUPLEXSERVE_TORCH_VERSION:-', 1)[1].split("}", 1)[0]
+    moshi_pin = script.split('"moshi==', 1)[1].split('"', 1)[0]
+    dockerfile = (DOCKER_DIR / "Dockerfile.gpu").read_text()
+    assert f"ARG TORCH_VERSION={torch_pin}\n" in dockerfile
+    probe = ("import json, torch, moshi, duplexserve.engine_bridge.moshi.engine; print(json.dumps("
+             "{'torch': torch.__version__, 'cuda': torch.version.cuda, 'moshi': moshi.__version__}))")
+    out = sh("docker", "run", "--rm", "--entrypoint", "python", gpu_image, "-c", probe, timeout=120)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["torch"].split("+")[0] == torch_pin and found["moshi"] == moshi_pin, found
+    assert found["cuda"], f"torch {found['torch']} in the image is not a CUDA build"  # e.g. 13.0
+    assert inspect(gpu_image, "{{.Config.User}}") == "10001"
+
+
+def test_gpu_image_serves_a_read_only_checkpoint_as_non_root_healthy_and_drains(
+    gpu_image, tiny_checkpoint, host_reference
+) -> None:
+    env = [f"{k}={v}" for k, v in MOSHI_ENV.items()] + [f"DUPLEXSERVE_DRAIN_GRACE_S={GPU_GRACE_S}"]
+    mount = ("--volume", f"{tiny_checkpoint.folder}:/models:ro")  # the image's DUPLEXSERVE_MOSHI_WEIGHTS
+    with container(gpu_image, *env, run_args=mount, start_s=180) as (name, http):
+        r = ready(http)
+        assert r.status_code == 200 and r.json()["engine"] == "moshi", r.text
+        assert inspect(name, "{{range .Mounts}}{{.Destination}} {{.RW}};{{end}}") == "/models false;"
+        assert inspect(name, "{{.Config.User}}") == "10001" and pid1_uids(name) == {"10001"}
+
+        # Exact: two sessions of the same audio give the same bytes, and both the answer of
+        # the server outside the container (same checkpoint, same settings).
+        first, second = native_session(http), native_session(http)
+        assert second.frames == first.frames and texts(second) == texts(first)
+        assert texts(first), "the tiny checkpoint's tokenizer turns some tokens into text"
+        assert_same_answer(first, host_reference.native)
+
+        # Kyutai's protocol: Ogg/Opus both ways, the same text as outside the container.
+        assert chat_session(http).text == host_reference.chat_text
+
+        wait_for("healthy", lambda: inspect(name, "{{.State.Health.Status}}") == "healthy", timeout=45)
+
+        # docker stop drains: the live session streams on and ends completed, new ones are
+        # turned away, and the server exits 0 by itself well inside the grace period.
+        url = f"ws://{http}/v1/duplex"
+        sent = frames_of(NATIVE_FRAMES, seed=23)
+
+        async def stream(live: Live, frames: list[bytes]) -> list[bytes]:
+            for frame in frames:
+                await live.ws.send(frame)
+            got: list[bytes] = []
+            while len(got) < len(frames):
+                msg = await asyncio.wait_for(live.ws.recv(), 30)
+                if isinstance(msg, bytes):
+                    got.append(msg)
+            return got
+
+        async def main() -> tuple[list[bytes], dict[str, Any], Stopper]:
+            live = await Live.open(url)
+            got = await stream(live, sent[:4])
+            stopper = Stopper("docker", "stop", "--time", str(GPU_GRACE_S + 30), name)
+            stopper.start()
+            await asyncio.to_thread(wait_for, "draining", lambda: draining(http), 15)
+            refused = await converse(url, [], timeout=10)
+            assert refused.close_code == 1013, refused
+            got += await stream(live, sent[4:10])
+            assert stopper.is_alive(), "the container stopped before its session ended"
+            return got, await live.finish(), stopper
+
+        got, closed, stopper = asyncio.run(main())
+        assert closed["reason"] == "completed", closed
+        tail = closed.get("frames_tail", 0)
+        assert (closed["frames_in"], closed["frames_out"], closed["frames_dropped"]) == (10, 10 + tail, 0)
+        assert got == first.frames[:10]  # a causal model: the first 10 frames of the same answer
+        stopper.join(GPU_GRACE_S + 40)
+        assert stopper.result is not None and stopper.result.returncode == 0, stopper.result
+        assert stopper.seconds < GPU_GRACE_S, stopper.seconds
+        assert inspect(name, "{{.State.ExitCode}} {{.State.OOMKilled}}") == "0 false"
+
+
+def test_gpu_image_serves_a_repository_from_a_read_only_hugging_face_cache(
+    gpu_image, tiny_checkpoint, host_reference
+) -> None:
+    # As docker/compose.yaml runs it: the host's cache read-only at the image's HF_HOME,
+    # the repository by name, offline (HF_HUB_OFFLINE=1 in the image), no folder.
+    env = [f"{k}={v}" for k, v in MOSHI_ENV.items()]
+    env += [f"DUPLEXSERVE_MOSHI_HF_REPO={HF_REPO}", "DUPLEXSERVE_MOSHI_WEIGHTS="]
+    mount = ("--volume", f"{tiny_checkpoint.hf_home}:/huggingface:ro")
+    with container(gpu_image, *env, run_args=mount, start_s=180) as (name, http):
+        answer = native_session(http)
+        assert answer.created["model"] == host_reference.native.created["model"] == "tiny-pytorch-bf16"
+        assert_same_answer(answer, host_reference.native)
+        assert pid1_uids(name) == {"10001"}
+
+
+def test_gpu_image_rebuilds_a_code_change_from_its_cached_layers(gpu_image, base, tmp_path, request) -> None:
+    """torch and moshi sit in layers before the package: a change to a .py file reinstalls
+    the package alone, in seconds."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for item in (".dockerignore", "pyproject.toml", "README.md", "duplexserve", "scripts", "docker"):
+        source = ROOT / item
+        if source.is_dir():
+            shutil.copytree(source, context / item, ignore=shutil.ignore_patterns("__pycache__", "results"))
+        else:
+            shutil.copy2(source, context / item)
+    with (context / "duplexserve" / "__init__.py").open("a") as f:
+        f.write(f"\n# a change ({RUN})\n")
+    name = f"duplexserve-ci:gpu-rebuild-{RUN}"
+    before = dangling()
+    start = time.monotonic()
+    try:
+        out = sh("docker", "build", "--network", "host", "-f", "docker/Dockerfile.gpu",
+                 "--build-arg", f"BASE_IMAGE={base.name}", "-t", name, ".", env=BUILD_ENV, cwd=context,
+                 timeout=900).stdout
+        seconds = time.monotonic() - start
+    finally:
+        remove_images([name], before)
+    steps = {step.split("\n", 1)[0]: step for step in out.split("\nStep ")[1:]}
+    cached = {head: "Using cache" in body for head, body in steps.items()}
+    assert any("install-moshi.sh" in h and c for h, c in cached.items()), out[-3000:]
+    assert any("requirements.txt" in h and c for h, c in cached.items()), out[-3000:]
+    assert any("--no-deps --no-build-isolation" in h and not c for h, c in cached.items()), out[-3000:]
+    base.report["gpu-rebuild"] = {"seconds": round(seconds, 1), "mb": base.report["gpu"]["mb"]}
+    record(request, base.report, ["gpu-rebuild"])
+    assert seconds < 120, seconds

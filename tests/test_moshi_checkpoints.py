@@ -122,7 +122,7 @@ VARIANTS = [
     ("tiny", True, 1.0, (True, True)),
     ("tiny-hibiki", False, 1.0, (True, True)),
     ("tiny-hibiki", True, 3.0, (True, True)),
-    ("tiny-zero", False, 1.0, (False, False)),  # grouped KV heads: both refuse, stock paths
+    ("tiny-zero", False, 1.0, (True, True)),  # grouped KV heads, rope_concat, depformer norms
 ]
 
 

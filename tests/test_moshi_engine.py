@@ -182,6 +182,41 @@ def test_engine_in_its_own_process_answers_the_same(engine):
         proxy.stop()
 
 
+FAILING_START = """
+import json, sys
+from duplexserve.config import ServerConfig
+from duplexserve.engine_bridge.process_engine import EngineProcessError, ProcessEngine
+
+overrides = json.loads(sys.argv[1])
+config = ServerConfig(engine="moshi", engine_process=True, max_sessions=2, moshi_threads=1, **overrides)
+try:
+    ProcessEngine(config).start()
+except EngineProcessError as exc:
+    print(str(exc).strip().splitlines()[-1])
+"""
+
+
+@pytest.mark.parametrize("where", ["building", "starting"])
+def test_an_engine_process_that_fails_to_start_leaves_nothing_behind(tmp_path, where):
+    """A refused start (as the memory plan refuses a slot count on a GPU) stops the child and
+    unlinks the shared buffers: Python's resource tracker finds nothing leaked at exit.
+    Building: a missing checkpoint fails in the constructor; starting: a CUDA device on a
+    CPU build of torch fails inside ``start()``, with a half-built engine to stop."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if where == "starting" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the engine would start")
+    overrides = {"moshi_weights": str(tmp_path)} if where == "building" else {"device": "cuda"}
+    command = [sys.executable, "-c", FAILING_START, json.dumps(overrides)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("FileNotFoundError" if where == "building" else "CUDA") in done.stdout
+    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
+
+
 def test_stock_presets_restate_the_library():
     from moshi.models import loaders
 

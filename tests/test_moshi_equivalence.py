@@ -66,7 +66,7 @@ def run_sessions(
         for row, i in enumerate(rows):
             outputs[i].append(result.audio[row].copy())
             if sent[i] >= engine.delay_frames:
-                tokens[i].append(batch_tokens[-1][where[row], :, 0].numpy())
+                tokens[i].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
             sent[i] += 1
             if sent[i] == sessions[i][2]:
                 engine.close(sessions[i][0])
@@ -97,17 +97,20 @@ def test_every_session_equals_kyutais_batch1_loop(attention, depformer):
         engine.stop()
 
 
-def drive_lm(use_kernel: bool | None, steps: int = 40, batch: int = 5, kv_dtype: str = "bf16") -> list:
+def drive_lm(
+    use_kernel: bool | None, steps: int = 40, batch: int = 5, kv_dtype: str = "bf16", preset: str = "tiny"
+) -> list:
     """Outputs of the temporal transformer, stock and live, over random tokens with idle
-    rows and resets, at one batch size: the live path must give the stock numbers."""
+    rows and resets, at one batch size: the live path must give the stock numbers
+    (``tiny-zero``: grouped KV heads and ``rope_concat``)."""
     import torch
     from moshi.models import loaders
 
     from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
-    from duplexserve.engine_bridge.moshi.presets import TINY_LM
+    from duplexserve.engine_bridge.moshi.presets import get_preset
 
     torch.manual_seed(0)
-    kwargs = {**TINY_LM, "context": CONTEXT}
+    kwargs = {**get_preset(preset).lm, "context": CONTEXT}
     stock = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
     live = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
     live.load_state_dict(stock.state_dict())
@@ -131,16 +134,18 @@ def drive_lm(use_kernel: bool | None, steps: int = 40, batch: int = 5, kv_dtype:
     return results
 
 
-def test_live_attention_gives_the_stock_transformer_outputs_bit_for_bit():
-    stock, live = drive_lm(use_kernel=False)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-zero"])
+def test_live_attention_gives_the_stock_transformer_outputs_bit_for_bit(preset):
+    stock, live = drive_lm(use_kernel=False, preset=preset)
     assert stock.abs().max() > 0
     assert (stock == live).all()
 
 
-def test_int8_ring_stays_within_two_percent_of_the_stock_transformer():
-    """The 8-bit ring is not exact: one scale per slot and head, 127 steps each side
+@pytest.mark.parametrize("preset", ["tiny", "tiny-zero"])
+def test_int8_ring_stays_within_two_percent_of_the_stock_transformer(preset):
+    """The 8-bit ring is not exact: one scale per slot and KV head, 127 steps each side
     (measured: 0.9% of the largest output; docs/moshi-engine.md)."""
-    stock, live = drive_lm(use_kernel=False, kv_dtype="int8")
+    stock, live = drive_lm(use_kernel=False, kv_dtype="int8", preset=preset)
     error = ((stock - live).abs().max() / stock.abs().max()).item()
     assert 0 < error < 0.02
 
@@ -164,22 +169,25 @@ def test_int8_engine_answers_like_bf16_on_the_tiny_preset():
     assert same.mean() >= 0.5
 
 
-@pytest.mark.parametrize("depformer_context", [8, 2, None])
-def test_lean_depformer_gives_the_stock_tokens_and_logits(depformer_context):
+@pytest.mark.parametrize(
+    "preset,depformer_context", [("tiny", 8), ("tiny", 2), ("tiny", None), ("tiny-zero", 4)]
+)
+def test_lean_depformer_gives_the_stock_tokens_and_logits(preset, depformer_context):
     """``--moshi-depformer lean``: the depformer's codebook loop (LMGen.depformer_step)
     with the unmasked attention over the ring's live slots gives stock moshi's tokens,
     and its logits in float64 up to the order of the sums (bit for bit on some CPUs; on
     an AVX-512 one SDPA adds the fewer keys in another order: 1e-15); a context of 8
     holds the tiny preset's 4 steps, 2 wraps the ring (as hibiki-2b-class's 16 steps wrap its
-    8), None sizes it by the steps."""
+    8), None sizes it by the steps; tiny-zero's 16 steps (grouped KV heads, a weight
+    schedule, per-step output norms) wrap a ring of 4."""
     import torch
     from moshi.models import LMGen, loaders
 
     from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
-    from duplexserve.engine_bridge.moshi.presets import TINY_LM
+    from duplexserve.engine_bridge.moshi.presets import TINY_LM, get_preset
 
     torch.manual_seed(0)
-    kwargs = {**TINY_LM, "context": CONTEXT, "depformer_context": depformer_context}
+    kwargs = {**get_preset(preset).lm, "context": CONTEXT, "depformer_context": depformer_context}
     stock = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float64)
     lean = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float64)
     lean.load_state_dict(stock.state_dict())
@@ -219,6 +227,26 @@ def test_the_memory_plan_refuses_what_cannot_fit_with_the_numbers():
     MemoryPlan(384, "int8", int8, free).check()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_the_memory_plan_counts_the_grouped_rings_the_engine_allocates(kv_dtype):
+    """tiny-zero's rings (moshi's and ``QuantRing``) hold its KV heads, half its query
+    heads, with one scale per slot and KV head: what ``kv_bytes_per_slot`` plans."""
+    from duplexserve.engine_bridge.moshi.memory import kv_bytes_per_slot
+
+    engine = MoshiEngine(2, "tiny-zero", threads=1, kv_dtype=kv_dtype)
+    engine.start()
+    try:
+        layers = engine.lm_gen.lm_model.transformer.layers
+        rings = [layer.self_attn._streaming_state.kv_cache for layer in layers]
+        tensors = [t for ring in rings for t in (ring.cache, getattr(ring, "scale", None)) if t is not None]
+        a = layers[0].self_attn
+        planned = kv_bytes_per_slot(len(layers), a.embed_dim, a.num_heads, a.context, kv_dtype, 4, 2)
+        assert a.kv_repeat == 2 and rings[0].cache.shape[2] == a.num_heads // 2  # [2, B, heads, C, D]
+        assert sum(t.numel() * t.element_size() for t in tensors) == 2 * planned
+    finally:
+        engine.stop()
+
+
 KERNEL_CHECK = textwrap.dedent(
     """
     import sys
@@ -226,9 +254,12 @@ KERNEL_CHECK = textwrap.dedent(
     from duplexserve.engine_bridge.moshi.live_attention import (
         KernelConfig, dequantize, live_attention, prefix_mask, quantize, reference_attention, write_quantized)
     torch.manual_seed(0)
-    for dtype, (b, h, c, d) in [(torch.float32, (6, 2, 600, 64)), (torch.bfloat16, (3, 4, 300, 128))]:
+    # (b, KV heads, capacity, head dim), query heads per KV head: 2 as Hibiki-Zero's, 3 padded to 4
+    cases = [(torch.float32, (6, 2, 600, 64), 1), (torch.bfloat16, (3, 4, 300, 128), 1),
+             (torch.float32, (4, 2, 300, 64), 2), (torch.float32, (3, 1, 300, 32), 3)]  # fmt: skip
+    for dtype, (b, h, c, d), group in cases:
         ring = torch.randn(2, b, h, c, d).to(dtype)  # views into one buffer, as moshi's ring
-        q = torch.randn(b, h, 1, d).to(dtype)
+        q = torch.randn(b, h * group, 1, d).to(dtype)
         lengths = torch.tensor([0, 1, 65, c, 256, 257][:b], dtype=torch.int32)
         got = live_attention(q, ring[0], ring[1], lengths).float()
         mask = prefix_mask(lengths.clamp(min=1), c)
@@ -236,8 +267,8 @@ KERNEL_CHECK = textwrap.dedent(
         ref[lengths == 0] = 0.0
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         err = (got - ref).abs().max().item()
-        assert err < tol, (dtype, err)
-        print(dtype, "max error", err)
+        assert err < tol, (dtype, group, err)
+        print(dtype, group, "max error", err)
         ring8, scale = quantize(ring)
         deq = dequantize(ring8, scale, torch.float32)
         ref = reference_attention(q.float(), deq[0], deq[1], mask)
@@ -246,8 +277,8 @@ KERNEL_CHECK = textwrap.dedent(
             config = KernelConfig(int8=mode)
             got = live_attention(q, ring8[0], ring8[1], lengths, (scale[0], scale[1]), config).float()
             err = (got - ref).abs().max().item()
-            assert err < tol, (dtype, mode, err)
-            print(dtype, mode, "int8 max error", err)
+            assert err < tol, (dtype, group, mode, err)
+            print(dtype, group, mode, "int8 max error", err)
 
     # the fused quantize-and-write against quantize + scatter (strided k, v as projected)
     b, h, c, d = 5, 3, 7, 64
@@ -269,24 +300,26 @@ KERNEL_CHECK = textwrap.dedent(
 
     sys.path.insert(0, "tests")
     from test_moshi_equivalence import drive_lm
-    stock, live = drive_lm(use_kernel=True)
-    err = (stock - live).abs().max().item()
-    assert err < 1e-5 * stock.abs().max().item(), err
-    print("transformer max error", err)
-    stock, live = drive_lm(use_kernel=True, kv_dtype="int8")
-    err = ((stock - live).abs().max() / stock.abs().max()).item()
-    assert 0 < err < 0.02, err
-    print("int8 transformer max error", err)
+    for preset in ("tiny", "tiny-zero"):  # tiny-zero: grouped KV heads, rope_concat
+        stock, live = drive_lm(use_kernel=True, preset=preset)
+        err = (stock - live).abs().max().item()
+        assert err < 1e-5 * stock.abs().max().item(), err
+        print(preset, "transformer max error", err)
+        stock, live = drive_lm(use_kernel=True, kv_dtype="int8", preset=preset)
+        err = ((stock - live).abs().max() / stock.abs().max()).item()
+        assert 0 < err < 0.02, err
+        print(preset, "int8 transformer max error", err)
     """
 )
 
 
 def test_the_triton_kernel_equals_the_masked_reference():
-    """The CUDA path's kernel, run by Triton's interpreter on the CPU, alone and in the LM."""
+    """The CUDA path's kernel, run by Triton's interpreter on the CPU, alone (grouped KV heads
+    too) and in the LM (tiny and tiny-zero)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("max error") == 9
+    assert done.stdout.count("max error") == 17, done.stdout

@@ -74,7 +74,7 @@ def serve_with_tails(engine: MoshiEngine, inputs: dict[int, np.ndarray], ending:
         for row, slot in enumerate(slots):
             audio[slot].append(result.audio[row].copy())
             if len(stepped[slot]) > engine.delay_frames:
-                tokens[slot].append(batch_tokens[-1][where[row], :, 0].numpy())
+                tokens[slot].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
             if result.finished and row in result.finished:
                 tail_left[slot] = 0
     engine.lm_gen.step = step_fn

@@ -18,25 +18,27 @@ CHECKS = textwrap.dedent(
     from moshi.models import LMGen, loaders
     from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
     from duplexserve.engine_bridge.moshi.live_mimi import install_ring_attention
-    from duplexserve.engine_bridge.moshi.presets import TINY_LM, TINY_MIMI
+    from duplexserve.engine_bridge.moshi.presets import TINY_LM, TINY_MIMI, TINY_ZERO_LM
     from duplexserve.engine_bridge.moshi.ring_attention import reference, ring_attention
 
     torch.manual_seed(0)
-    # The kernel alone: Mimi's shape (250 slots, 2 queries), the depformer's (8, 1, bf16), odd ones.
-    shapes = [(250, 2, 64, torch.float32), (8, 1, 64, torch.bfloat16), (7, 3, 16, torch.float32)]
-    for c, t, d, dtype in shapes:
+    # The kernel alone: Mimi's shape (250 slots, 2 queries), the depformer's (8, 1, bf16), odd
+    # ones; query heads per KV head last (Hibiki-Zero's depformer: 2).
+    shapes = [(250, 2, 64, torch.float32, 1), (8, 1, 64, torch.bfloat16, 1), (7, 3, 16, torch.float32, 1),
+              (8, 1, 64, torch.bfloat16, 2), (7, 2, 16, torch.float32, 2)]  # fmt: skip
+    for c, t, d, dtype, group in shapes:
         before = torch.tensor([0, 1, 5, c - 2, c - 1, c, c + 1, 3 * c + 5])
         b, h = len(before), 3
         ring = torch.randn(2, b, h, c, d).to(dtype)
-        q = torch.randn(b, t, 3, h, d).to(dtype)[:, :, 0].permute(0, 2, 1, 3)  # strided, as projected
+        q = torch.randn(b, t, 3, h * group, d).to(dtype)[:, :, 0].permute(0, 2, 1, 3)  # strided, as projected
         ref = reference(q.float(), ring[0].float(), ring[1].float(), before + t)
         for ends, want in [(before, ref), (torch.tensor([c + 3]), None)]:
             if want is None:  # one end for every row (the depformer's ring)
                 want = reference(q.float(), ring[0].float(), ring[1].float(), ends.expand(b) + t)
             got = ring_attention(q, ring[0], ring[1], ends).float()
             err = (got - want).abs().max().item()
-            assert err < (1e-6 if dtype == torch.float32 else 2e-2), (c, t, dtype, err)
-            print("kernel max error", c, t, dtype, err)
+            assert err < (1e-6 if dtype == torch.float32 else 2e-2), (c, t, dtype, group, err)
+            print("kernel max error", c, t, dtype, group, err)
 
     # Mimi, streaming: encoder transformer (via the latent) and decoder, ring of 6 (wraps at step 3).
     cfg = {**TINY_MIMI, "transformer": {**TINY_MIMI["transformer"], "context": 6}}
@@ -65,27 +67,29 @@ CHECKS = textwrap.dedent(
     assert err < 1e-5, err
     print("mimi max error", err)
 
-    # The depformer's codebook loop (16 steps over a ring of 8 wrap it, as hibiki-2b-class's do).
-    kwargs = {**TINY_LM, "dep_q": 16, "delays": [0] * 17, "n_q": 16}
-    stock = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
-    lean = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
-    lean.load_state_dict(stock.state_dict())
-    assert install_lean_depformer(lean, use_kernel=True)
-    results = []
-    for lm in (stock, lean):
-        logits = []
-        forward = lm.forward_depformer
-        lm.forward_depformer = lambda *a, f=forward, out=logits: out.append(f(*a)) or out[-1]
-        gen = LMGen(lm, use_sampling=False)
-        rng = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for _ in range(3):
-                text = torch.randint(0, TINY_LM["text_card"], (5,), generator=rng)
-                gen.depformer_step(text, torch.randn(5, 1, TINY_LM["dim"], generator=rng))
-        results.append(torch.stack(logits))
-    err = ((results[0] - results[1]).abs().max() / results[0].abs().max()).item()
-    assert err < 1e-5, err
-    print("depformer max error", err)
+    # The depformer's codebook loop (16 steps over a ring of 8 wrap it, as hibiki-2b-class's do);
+    # tiny-zero's: grouped KV heads, a weight schedule, per-step output norms.
+    plain = {**TINY_LM, "dep_q": 16, "delays": [0] * 17, "n_q": 16}
+    for kwargs in (plain, {**TINY_ZERO_LM, "depformer_context": 8}):
+        stock = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
+        lean = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
+        lean.load_state_dict(stock.state_dict())
+        assert install_lean_depformer(lean, use_kernel=True)
+        results = []
+        for lm in (stock, lean):
+            logits = []
+            forward = lm.forward_depformer
+            lm.forward_depformer = lambda *a, f=forward, out=logits: out.append(f(*a)) or out[-1]
+            gen = LMGen(lm, use_sampling=False)
+            rng = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for _ in range(3):
+                    text = torch.randint(0, kwargs["text_card"], (5,), generator=rng)
+                    gen.depformer_step(text, torch.randn(5, 1, kwargs["dim"], generator=rng))
+            results.append(torch.stack(logits))
+        err = ((results[0] - results[1]).abs().max() / results[0].abs().max()).item()
+        assert err < 1e-5, err
+        print("depformer max error", kwargs["kv_repeat"] if "kv_repeat" in kwargs else 1, err)
     """
 )
 
@@ -96,5 +100,5 @@ def test_ring_attention_equals_moshis_masked_attention():
     command = [sys.executable, "-c", CHECKS]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("kernel max error") == 6, done.stdout
-    assert "mimi max error" in done.stdout and "depformer max error" in done.stdout, done.stdout
+    assert done.stdout.count("kernel max error") == 10, done.stdout
+    assert "mimi max error" in done.stdout and done.stdout.count("depformer max error") == 2, done.stdout

@@ -225,10 +225,11 @@ async def one_session(
                 elif event["type"] == "session.closed":
                     result["closed"] = event
         await task
-    recv = np.array(received)
+    recv = np.array(received[:n])  # the answers to the input; after them, input.end's tail
     result["send_late"] = send_late
     result["frames_in"] = n
     result["frames_out"] = len(recv)
+    result["frames_tail"] = len(received) - len(recv)
     if len(recv):
         m = min(n, len(recv))
         result["rtt"] = recv[:m] - sent[:m]

@@ -85,6 +85,7 @@ def _kv_floor_ms(engine: Any, batch: int, live: int) -> float:
         1,
         kv_dtype,
         next(lm.parameters()).element_size(),
+        attn.kv_repeat,
     )
     return 1000 * batch * per_frame * live / HBM_BYTES_PER_S
 
@@ -205,9 +206,11 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One layer of the hibiki-2b-class shape (16 heads of 128, ring 3000), bf16 or int8."""
+    """One layer of the hibiki-2b-class shape (16 heads of 128, ring 3000), bf16 or int8;
+    ``--kv-repeat 2``: Hibiki-Zero's 8 KV heads, which stock moshi repeats every layer."""
     import torch
     import torch.nn.functional as F
+    from moshi.modules.transformer import expand_repeated_kv
 
     from duplexserve.engine_bridge.moshi.live_attention import (
         KernelConfig,
@@ -220,10 +223,10 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     configs = [KernelConfig.parse(c) for c in (args.kernels or "256/32/2/3").split(",")]
     int8 = args.kv_dtype == "int8"
-    heads, dim, cap = 16, 128, args.context or 3000
+    heads, dim, cap, repeat = 16, 128, args.context or 3000, args.kv_repeat
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
-        ring = torch.randn(2, b, heads, cap, dim, device="cuda", dtype=torch.bfloat16)
+        ring = torch.randn(2, b, heads // repeat, cap, dim, device="cuda", dtype=torch.bfloat16)
         q = torch.randn(b, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
         end = torch.full((b,), cap, device="cuda", dtype=torch.long)
         ring8, scales = quantize(ring) if int8 else (ring, None)
@@ -238,11 +241,12 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
             pos = torch.where(idx >= end.view(-1, 1), torch.full_like(pos, -1), pos)
             d = end.view(-1, 1, 1) - pos[:, None]
             bias = ((pos[:, None] >= 0) & (d >= 0) & (d < cap))[:, None]
-            return F.scaled_dot_product_attention(q, ring[0], ring[1], bias)
+            keys, values = (expand_repeated_kv(x, repeat) for x in ring) if repeat > 1 else ring
+            return F.scaled_dot_product_attention(q, keys, values, bias)
 
         for share in (1.0, 0.5, 0.25, 0.125):
             lengths = torch.full((b,), max(1, int(cap * share)), device="cuda", dtype=torch.int32)
-            row = {"batch": b, "live_share": share, "kv_dtype": args.kv_dtype}
+            row = {"batch": b, "live_share": share, "kv_dtype": args.kv_dtype, "kv_repeat": repeat}
             variants: list[tuple[str, Any]] = [("stock", stock)]
             pair = None if scales is None else (scales[0], scales[1])
             for c in configs:
@@ -272,7 +276,7 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
                 torch.cuda.synchronize()
                 row[f"{name}_ms"] = start.elapsed_time(stop) / args.steps
             slot_bytes = dim + 2 if int8 else dim * 2  # int8: the bytes and a bf16 scale
-            row["floor_ms"] = 1000 * b * 2 * heads * slot_bytes * cap * share / HBM_BYTES_PER_S
+            row["floor_ms"] = 1000 * b * 2 * (heads // repeat) * slot_bytes * cap * share / HBM_BYTES_PER_S
             rows.append(row)
             print(json.dumps(row), flush=True)
         del ring, ring8, scales
@@ -540,6 +544,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="mimi: fp32 matmul/graph,... (each against the first)",
         )  # fmt: skip
         p.add_argument("--context", type=int, default=0)
+        p.add_argument("--kv-repeat", type=int, default=1, help="attention: query heads per KV head")
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")
         p.add_argument(

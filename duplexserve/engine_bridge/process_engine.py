@@ -54,18 +54,25 @@ class ProcessEngine(Engine):
         self._out = np.ndarray(shape, np.float32, buffer=self._shm[1].buf)
         self.input_buffer = self._in  # the bridge gathers each batch straight into shared memory
         ctx = mp.get_context("spawn")  # never fork a process that holds threads (or CUDA)
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_child_main,
-            args=(child, self._config, [s.name for s in self._shm]),
-            name="duplexserve-engine",
-            daemon=True,
-        )
-        self._proc.start()
-        self._lost = False
-        child.close()
-        self._conn = parent
-        self.tail = self._call(("start",))  # the child's engine says what input.end takes
+        try:
+            parent, child = ctx.Pipe()
+            self._proc = ctx.Process(
+                target=_child_main,
+                args=(child, self._config, [s.name for s in self._shm]),
+                name="duplexserve-engine",
+                daemon=True,
+            )
+            self._proc.start()
+            self._lost = False
+            child.close()
+            self._conn = parent
+            self.tail = self._call(("start",))  # the child's engine says what input.end takes
+        except BaseException:
+            # A refused start (the memory plan, a missing checkpoint) stops the child, which
+            # stops its half-built engine, and unlinks the buffers: a daemon child killed at
+            # exit and buffers left linked were the resource tracker's "leaked" warnings.
+            self.stop()
+            raise
 
     def _call(self, message: tuple[Any, ...]) -> Any:
         conn = self._conn

@@ -92,16 +92,20 @@ class FrameTimer:
         first, n = self._first, len(sent)
         self._first += n
         arrivals = self.arrivals
-        if not arrivals:  # cannot happen: an answer without its input
+        if not arrivals:  # only input.end's tail frames: they answer no input, nothing to time
             del sent[:]
             return
         arr = np.frombuffer(arrivals, dtype=np.float64).reshape(-1, 2).copy()  # no view may outlive
         ends = arr[:, 0]
-        which = np.minimum(np.searchsorted(ends, np.arange(first, first + n), side="right"), len(ends) - 1)
-        turn = np.maximum(np.frombuffer(sent, dtype=np.float64) - arr[which, 1], 0.0)
+        index = np.arange(first, first + n)
+        answers = index < ends[-1]  # the rest are tail frames: no input frame arrived for them
+        which = np.searchsorted(ends, index[answers], side="right")
+        turn = np.maximum(np.frombuffer(sent, dtype=np.float64)[answers] - arr[which, 1], 0.0)
         del sent[:]
         del arrivals[: 2 * int(np.searchsorted(ends, self._first, side="right"))]  # fully timed
         n = len(turn)
+        if not n:
+            return
         totals = self._totals
         totals.buckets += np.bincount(np.searchsorted(_BUCKET_EDGES, turn), minlength=len(BUCKETS) + 1)
         late = int(np.count_nonzero(turn > totals.late_s))

@@ -215,7 +215,12 @@ class MoshiEngine(Engine):
 
     def _allocate(self, b: int) -> None:
         """Streaming state for ``b`` slots, host/device buffers, then warm-up (graph capture)."""
-        from duplexserve.engine_bridge.moshi.row_buckets import RowBuckets, bucket_sizes, streaming_modules
+        from duplexserve.engine_bridge.moshi.row_buckets import (
+            GraphPool,
+            RowBuckets,
+            bucket_sizes,
+            streaming_modules,
+        )
 
         torch = self._torch
         n = self.frame_samples
@@ -248,8 +253,10 @@ class MoshiEngine(Engine):
         self._rows = RowBuckets(streaming_modules(self.mimi, self.lm_gen), b, bucket_sizes(b))
         graphed = self.cuda_graphs and self.device.type == "cuda"
         whole = graphed and self.mimi_graph == "whole"
+        pools = (GraphPool(), GraphPool())  # encode's graphs, decode's: each shared by the buckets
         self._mimi_fns = {  # one set of CUDA graphs per bucket
-            n: self._graph_mimi() if whole else (self.mimi.encode, self.mimi.decode) for n in self._rows.sizes
+            n: self._graph_mimi(*pools) if whole else (self.mimi.encode, self.mimi.decode)
+            for n in self._rows.sizes
         }
         self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
         self._warm_up(self._rows.sizes if graphed else [b])
@@ -261,7 +268,7 @@ class MoshiEngine(Engine):
 
         return get_condition_tensors(self.model_type, lm, batch, self.cfg_coef)
 
-    def _graph_mimi(self) -> None:
+    def _graph_mimi(self, encode_pool: Any, decode_pool: Any) -> tuple[Any, Any]:
         """``--moshi-mimi-graph whole``: fewer kernels launched one by one from the host.
 
         The library graphs Mimi's encoder, decoder and transformers and launches the rest
@@ -273,10 +280,11 @@ class MoshiEngine(Engine):
         graph would never see again (captured, the first codebook's codes differed in 89%
         of the frames).
         """
-        from moshi.utils.compile import CUDAGraphed
+        from duplexserve.engine_bridge.moshi.row_buckets import PooledGraphed
 
-        latent, quantize = self.mimi._encode_to_unquantized_latent, CUDAGraphed(self.mimi.quantizer.encode)
-        return (lambda x: quantize(latent(x))), CUDAGraphed(self.mimi.decode)
+        latent = self.mimi._encode_to_unquantized_latent
+        quantize = PooledGraphed(self.mimi.quantizer.encode, encode_pool)
+        return (lambda x: quantize(latent(x))), PooledGraphed(self.mimi.decode, decode_pool)
 
     def _share_exec_mask(self, b: int) -> None:
         """Make every streaming state of Mimi and the LM read one device mask.

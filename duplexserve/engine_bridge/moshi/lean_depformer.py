@@ -16,6 +16,11 @@ moshi's and its logits equal in float64 up to the order of the sums: without the
 keys a vectorised kernel may add in another order, 1e-15 on an AVX-512 CPU), on CUDA
 by ``ring_attention`` (one small program per row and head; SDPA's flash kernel over the
 slice took 142 us a call at 384 slots, more than cuDNN's masked one, docs/benchmarks.md).
+Grouped KV heads (moshi gives the depformer the LM's ``kv_repeat``: Hibiki-Zero's 16 heads
+read 8) stay grouped in the ring and are read in place (``ring_attention``'s groups,
+SDPA's ``enable_gqa``), where stock moshi repeats the ring in every layer of every step.
+The rest of Hibiki's depformer (weight schedule, low-rank embeddings, per-step output
+norms) is the library's code around these layers, unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 from moshi.modules.transformer import StreamingMultiheadAttention, apply_weights_per_step
 
 from .live_attention import triton_available
+from .live_lm import split_heads
 from .ring_attention import ring_attention
 
 
@@ -44,10 +50,10 @@ class LeanStepAttention(StreamingMultiheadAttention):
         step = state.offset_cpu
         b = query.shape[0]
         projected = apply_weights_per_step(self.in_projs, self.weights_per_step_schedule, query, step)
-        q, k, v = projected.view(b, 1, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
+        q, k, v = split_heads(self, projected)
         if self.rope is not None:
             q, k = self.rope(q, k, state.offset, time_before_heads=False)
-        ring = cache.cache  # [2, B, H, capacity, D]
+        ring = cache.cache  # [2, B, KV heads, capacity, D]
         slot = step % cache.capacity
         ring[0, :, :, slot] = k[:, :, 0]
         ring[1, :, :, slot] = v[:, :, 0]
@@ -55,7 +61,8 @@ class LeanStepAttention(StreamingMultiheadAttention):
             x = ring_attention(q, ring[0], ring[1], cache.end_offset)  # end_offset: the step, [1]
         else:
             live = min(step + 1, cache.capacity)
-            x = F.scaled_dot_product_attention(q, ring[0, :, :, :live], ring[1, :, :, :live])
+            keys, values = ring[0, :, :, :live], ring[1, :, :, :live]
+            x = F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.kv_repeat > 1)
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
         x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
         # The state moves as the library's does (the state is dropped after the LM step).
@@ -70,7 +77,7 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
 
     It applies to a depformer as moshi builds it: causal self-attention with weights per
     step (its ring has one end offset for the whole batch, every row at the same step),
-    one KV head per head, a ring as long as the context (or as the steps, without one).
+    grouped KV heads or not, a ring as long as the context (or as the steps, without one).
     ``use_kernel`` defaults to ``ring_attention`` where Triton runs (CUDA), else SDPA over
     the live slots. Call before the LM starts streaming.
     """
@@ -79,7 +86,7 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
         return False
     attentions = [layer.self_attn for layer in depformer.layers]
     fits = all(
-        a.causal and not a.cross_attention and a.weights_per_step and a.kv_repeat == 1
+        a.causal and not a.cross_attention and a.weights_per_step
         and type(a) is StreamingMultiheadAttention
         and (a.context is None or a.context > 0)
         for a in attentions

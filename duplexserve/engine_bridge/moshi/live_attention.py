@@ -16,6 +16,13 @@ read as int32 words, each byte made a float without a conversion instruction
 (``_partials_int8``), and written by one kernel a layer (``write_quantized``). Anywhere
 else (the CPU, no Triton) the same prefix goes to ``scaled_dot_product_attention`` as a
 boolean mask of moshi's own shape, which gives moshi's results bit for bit.
+
+Grouped KV heads (``kv_repeat`` query heads share one KV head: Hibiki-Zero's 16 heads over
+8) stay grouped in the ring, as in moshi's own, and are never repeated: a program of the
+kernel takes one KV head and its ``kv_repeat`` query heads, so each tile of the ring is
+loaded once for all of them, and SDPA gets ``enable_gqa`` (torch >= 2.5), which on the
+CPU reads the heads in place and gives the repeated ring's results bit for bit. Stock
+moshi instead copies the whole ring ``kv_repeat`` times in every layer of every step.
 """
 
 from __future__ import annotations
@@ -71,8 +78,11 @@ def prefix_mask(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
 def reference_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """The library's own attention call, with the prefix mask."""
-    return F.scaled_dot_product_attention(q, keys, values, mask, dropout_p=0.0)
+    """The library's own attention call, with the prefix mask; ``keys`` and ``values`` may
+    hold fewer heads than ``q`` (grouped, query head ``h`` reading KV head ``h // kv_repeat``)."""
+    return F.scaled_dot_product_attention(
+        q, keys, values, mask, dropout_p=0.0, enable_gqa=q.shape[1] != keys.shape[1]
+    )
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +97,8 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_quantized(
     k: torch.Tensor, v: torch.Tensor, ring: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor
 ) -> None:
-    """``quantize`` this step's ``k`` and ``v`` (``[B, H, 1, D]``) into slot ``slot[b]`` of
-    each row of the int8 ring ``[2, B, H, C, D]`` and its scales ``[2, B, H, C]``, in one
+    """``quantize`` this step's ``k`` and ``v`` (``[B, H, 1, D]``, ``H`` the KV heads) into slot
+    ``slot[b]`` of each row of the int8 ring ``[2, B, H, C, D]`` and its scales ``[2, B, H, C]``, in one
     kernel where the torch form takes a dozen small ones a layer."""
     b, h, _, d = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1
@@ -117,13 +127,16 @@ def live_attention(
 ) -> torch.Tensor:
     """Attention of one query per row over the first ``lengths[b]`` slots of row ``b``.
 
-    ``q`` is ``[B, H, 1, D]``; ``keys`` and ``values`` are ``[B, H, C, D]`` views of the
-    ring with ``D`` contiguous; ``lengths`` is ``[B]`` int32. A row of length 0 gets zeros.
-    With ``scales`` (key and value scales, ``[B, H, C]`` each) the ring holds int8 and
-    slot ``c`` of head ``h`` stands for ``ring * scale``, dequantized as it is read.
+    ``q`` is ``[B, H, 1, D]``; ``keys`` and ``values`` are ``[B, KV, C, D]`` views of the
+    ring with ``D`` contiguous, ``KV`` dividing ``H`` (query head ``h`` reads KV head
+    ``h // (H / KV)``, moshi's grouping); ``lengths`` is ``[B]`` int32. A row of length 0
+    gets zeros. With ``scales`` (key and value scales, ``[B, KV, C]`` each) the ring holds
+    int8 and slot ``c`` of KV head ``g`` stands for ``ring * scale``, dequantized as it is read.
     """
     b, h, t, d = q.shape
-    assert t == 1 and keys.stride(-1) == 1 and values.stride(-1) == 1
+    kv_heads = keys.shape[1]
+    group = h // kv_heads
+    assert t == 1 and group * kv_heads == h and keys.stride(-1) == 1 and values.stride(-1) == 1
     config = config or (DEFAULT if scales is None else DEFAULT_INT8)
     capacity = keys.shape[2]
     splits = triton.cdiv(capacity, config.chunk)
@@ -135,14 +148,14 @@ def live_attention(
     k_scale, v_scale = scales if scales is not None else (lengths, lengths)  # unread without scales
     scale_strides = (*k_scale.stride()[:2], *v_scale.stride()[:2]) if scales is not None else (0, 0, 0, 0)
     args = (q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum,
-            *ring_strides, *scale_strides, h, splits, 1.0 / math.sqrt(d))  # fmt: skip
-    tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d,
+            *ring_strides, *scale_strides, kv_heads, group, splits, 1.0 / math.sqrt(d))  # fmt: skip
+    tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d, "GROUP": triton.next_power_of_2(group),
              "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
     if scales is None or config.int8 == "cast":
-        _partials[(b * h, splits)](*args, QUANT=scales is not None, **tiles)
+        _partials[(b * kv_heads, splits)](*args, QUANT=scales is not None, **tiles)
     else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
         assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
-        _partials_int8[(b * h, splits)](*args, **tiles)
+        _partials_int8[(b * kv_heads, splits)](*args, **tiles)
     out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
     _merge[(b * h,)](
         part_out, part_max, part_sum, out, splits,
@@ -154,60 +167,66 @@ def live_attention(
 if triton is not None:
 
     @triton.jit
-    def _chunk(LENGTHS, heads, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
-        """This program's (row, head) and its chunk ``[start, end)`` of the row's live prefix."""
-        row = tl.program_id(0)
+    def _chunk(LENGTHS, kv_heads, group, CHUNK: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+        """This program's row ``b``, KV head ``g``, chunk ``[start, end)`` of the row's live
+        prefix, and the rows of ``Q`` (``[B * H, D]``) of the group's query heads (``used``:
+        the ``group`` real ones of ``GROUP``, its power of two)."""
+        program = tl.program_id(0)  # b * kv_heads + g
         split = tl.program_id(1)
-        b = row // heads
+        b = program // kv_heads
         start = split * CHUNK
-        return row, split, b, row % heads, start, tl.minimum(start + CHUNK, tl.load(LENGTHS + b))
+        end = tl.minimum(start + CHUNK, tl.load(LENGTHS + b))
+        r = tl.arange(0, GROUP)
+        return program * group + r, r < group, split, b, program % kv_heads, start, end
 
     @triton.jit
     def _softmax_step(s, valid, m_i):  # type: ignore[no-untyped-def]
-        """One tile of the running softmax: the new maximum, the rescale of what came
-        before, and the tile's unnormalised weights (0 for keys past the chunk)."""
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new)
+        """One tile of each query's running softmax (``s``: ``[GROUP, BLOCK_N]``): the new
+        maximum, the rescale of what came before, and the tile's unnormalised weights (0
+        for keys past the chunk)."""
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new[:, None])
 
     @triton.jit
     def _partials(
         Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-        heads, splits, scale,
-        QUANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        kv_heads, group, splits, scale,
+        QUANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     ) -> None:  # fmt: skip
-        """One chunk of one (row, head): its softmax max, sum and weighted value sum."""
-        row, split, b, h, start, end = _chunk(LENGTHS, heads, CHUNK)
+        """One chunk of one (row, KV head) for each of its query heads: softmax max, sum and
+        weighted value sum, every K/V tile loaded once for the group."""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
         d = tl.arange(0, D)
-        q = tl.load(Q + row * D + d).to(tl.float32) * scale
-        k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
-        v_base = V + b.to(tl.int64) * stride_vb + h * stride_vh
-        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + h * stride_ksh  # slots contiguous
-        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + h * stride_vsh
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros([D], dtype=tl.float32)
+        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32) * scale
+        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh  # slots contiguous
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        acc = tl.zeros([GROUP, D], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
             k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s = tl.sum(k.to(tl.float32)[None, :, :] * q[:, None, :], axis=2)
             if QUANT:
-                s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
+                s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)[None, :]
             m_new, alpha, p = _softmax_step(s, valid, m_i)
             v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
             pv = p
             if QUANT:
-                pv = p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
+                pv = p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        part = row * splits + split
-        tl.store(PART_OUT + part * D + d, acc)
-        tl.store(PART_MAX + part, m_i)
-        tl.store(PART_SUM + part, l_i)
+        part = rows * splits + split
+        tl.store(PART_OUT + part[:, None] * D + d[None, :], acc, mask=used[:, None])
+        tl.store(PART_MAX + part, m_i, mask=used)
+        tl.store(PART_SUM + part, l_i, mask=used)
 
     @triton.jit
     def _byte(w, i: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -221,55 +240,57 @@ if triton is not None:
         Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-        heads, splits, scale,
-        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        kv_heads, group, splits, scale,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     ) -> None:  # fmt: skip
         """``_partials`` over an int8 ring read as int32 words (four bytes of one vector each),
-        every byte made a float by ``_byte``. (Rounding the query to int8 too, for ``q . k``
-        on the tensor cores, measured no faster and twice the error: docs/benchmarks.md.)"""
-        row, split, b, h, start, end = _chunk(LENGTHS, heads, CHUNK)
+        every byte made a float by ``_byte`` once for the group. (Rounding the query to int8
+        too, for ``q . k`` on the tensor cores, measured no faster and twice the error:
+        docs/benchmarks.md.)"""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
         W: tl.constexpr = D // 4
         j = tl.arange(0, W)
-        k_words = (K + b.to(tl.int64) * stride_kb + h * stride_kh).to(tl.pointer_type(tl.int32))
-        v_words = (V + b.to(tl.int64) * stride_vb + h * stride_vh).to(tl.pointer_type(tl.int32))
-        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + h * stride_ksh
-        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + h * stride_vsh
-        q0 = tl.load(Q + row * D + 4 * j).to(tl.float32) * scale  # byte i of word j is 4j + i
-        q1 = tl.load(Q + row * D + 4 * j + 1).to(tl.float32) * scale
-        q2 = tl.load(Q + row * D + 4 * j + 2).to(tl.float32) * scale
-        q3 = tl.load(Q + row * D + 4 * j + 3).to(tl.float32) * scale
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.full([], 0.0, tl.float32)
-        acc0 = tl.zeros([W], dtype=tl.float32)
-        acc1 = tl.zeros([W], dtype=tl.float32)
-        acc2 = tl.zeros([W], dtype=tl.float32)
-        acc3 = tl.zeros([W], dtype=tl.float32)
+        k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
+        v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
+        q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
             kw = tl.load(k_words + n[:, None] * (stride_kc // 4) + j[None, :], mask=valid[:, None], other=0)
             s = tl.sum(
-                _byte(kw, 0) * q0[None, :] + _byte(kw, 1) * q1[None, :]
-                + _byte(kw, 2) * q2[None, :] + _byte(kw, 3) * q3[None, :], axis=1,
+                _byte(kw, 0)[None, :, :] * q0 + _byte(kw, 1)[None, :, :] * q1
+                + _byte(kw, 2)[None, :, :] * q2 + _byte(kw, 3)[None, :, :] * q3, axis=2,
             )  # fmt: skip
-            s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)
+            s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)[None, :]
             m_new, alpha, p = _softmax_step(s, valid, m_i)
-            pv = (p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32))[:, None]
+            pv = (p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)[None, :])[:, :, None]
             vw = tl.load(v_words + n[:, None] * (stride_vc // 4) + j[None, :], mask=valid[:, None], other=0)
-            acc0 = acc0 * alpha + tl.sum(pv * _byte(vw, 0), axis=0)
-            acc1 = acc1 * alpha + tl.sum(pv * _byte(vw, 1), axis=0)
-            acc2 = acc2 * alpha + tl.sum(pv * _byte(vw, 2), axis=0)
-            acc3 = acc3 * alpha + tl.sum(pv * _byte(vw, 3), axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc0 = acc0 * alpha[:, None] + tl.sum(pv * _byte(vw, 0)[None, :, :], axis=1)
+            acc1 = acc1 * alpha[:, None] + tl.sum(pv * _byte(vw, 1)[None, :, :], axis=1)
+            acc2 = acc2 * alpha[:, None] + tl.sum(pv * _byte(vw, 2)[None, :, :], axis=1)
+            acc3 = acc3 * alpha[:, None] + tl.sum(pv * _byte(vw, 3)[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        part = row * splits + split
-        out = PART_OUT + part * D + 4 * j
-        tl.store(out, acc0)
-        tl.store(out + 1, acc1)
-        tl.store(out + 2, acc2)
-        tl.store(out + 3, acc3)
-        tl.store(PART_MAX + part, m_i)
-        tl.store(PART_SUM + part, l_i)
+        part = rows * splits + split
+        out = PART_OUT + part[:, None] * D + 4 * j[None, :]
+        tl.store(out, acc0, mask=used[:, None])
+        tl.store(out + 1, acc1, mask=used[:, None])
+        tl.store(out + 2, acc2, mask=used[:, None])
+        tl.store(out + 3, acc3, mask=used[:, None])
+        tl.store(PART_MAX + part, m_i, mask=used)
+        tl.store(PART_SUM + part, l_i, mask=used)
 
     @triton.jit
     def _quantize_write(
@@ -277,7 +298,7 @@ if triton is not None:
         stride_r0, stride_rb, stride_rh, stride_rc, stride_s0, stride_sb, stride_sh, stride_sc,
         heads, D: tl.constexpr,
     ) -> None:  # fmt: skip
-        """One vector (key or value) of one (row, head): its scale, its bytes, both stored."""
+        """One vector (key or value) of one (row, KV head): its scale, its bytes, both stored."""
         row = tl.program_id(0)
         which = tl.program_id(1)
         b = row // heads

@@ -10,9 +10,10 @@ writes K/V into the library's own ring buffer and attends with ``live_attention`
 Stock moshi instead rebuilds an int64 ``[B, capacity]`` position table and mask in
 every layer and attends over the whole ring.
 
-Everything else (projections, RoPE, the ring's memory, reset, exec mask, CUDA graphs)
-is the library's. Mimi's transformers and the depformer have short rings of their own
-(``live_mimi.py``, ``lean_depformer.py``).
+Everything else (projections, RoPE, ``rope_concat`` included, the ring's memory with
+its grouped KV heads, reset, exec mask, CUDA graphs) is the library's. Mimi's
+transformers and the depformer have short rings of their own (``live_mimi.py``,
+``lean_depformer.py``).
 """
 
 from __future__ import annotations
@@ -66,18 +67,30 @@ def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> 
 
 
 def plain_self_attention(a: StreamingMultiheadAttention) -> bool:
-    """Causal self-attention with one set of weights and one KV head per head: the
-    attention whose ring the live and ring kernels read (the LM's, Mimi's)."""
+    """Causal self-attention with one set of weights: the attention whose ring the live and
+    ring kernels read (the LM's, Mimi's)."""
     return (
         type(a) is StreamingMultiheadAttention and a.causal and not a.cross_attention
-        and not a.weights_per_step and a.kv_repeat == 1 and len(a.in_projs) == 1
+        and not a.weights_per_step and len(a.in_projs) == 1
     )  # fmt: skip
+
+
+def split_heads(
+    a: StreamingMultiheadAttention, projected: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input projection ``[B, T, (H + 2 * KV) * D]`` as moshi splits it: ``q`` of ``H``
+    heads, ``k`` and ``v`` of ``KV = H / kv_repeat`` (views, ``[B, heads, T, D]``)."""
+    b, t = projected.shape[:2]
+    q = projected[..., : a.embed_dim].view(b, t, a.num_heads, -1).transpose(1, 2)
+    k, v = projected[..., a.embed_dim :].view(b, t, 2, a.num_heads // a.kv_repeat, -1).permute(2, 0, 3, 1, 4)
+    return q, k, v
 
 
 class QuantRing:
     """The 8-bit ring that replaces moshi's ``RingKVCache`` with ``--moshi-kv-dtype int8``:
-    int8 K/V ``[2, B, H, C, D]`` and one scale per slot and head ``[2, B, H, C]``. It
-    keeps no offsets: the live path reads them from the transformer's clock."""
+    int8 K/V ``[2, B, H, C, D]`` and one scale per slot and head ``[2, B, H, C]``, ``H`` the
+    KV heads (grouped, as in moshi's ring). It keeps no offsets: the live path reads them
+    from the transformer's clock."""
 
     def __init__(self, batch: int, heads: int, dim: int, capacity: int, device: Any, dtype: Any) -> None:
         self.cache = torch.zeros((2, batch, heads, capacity, dim), device=device, dtype=torch.int8)
@@ -98,7 +111,7 @@ class LiveAttention(StreamingMultiheadAttention):
         weight = self.in_projs[0].weight
         ring = QuantRing(
             batch_size,
-            self.num_heads,
+            self.num_heads // self.kv_repeat,
             self.embed_dim // self.num_heads,
             self.context,
             weight.device,
@@ -113,9 +126,7 @@ class LiveAttention(StreamingMultiheadAttention):
         if state is None or not clock.active:
             return super().forward(query, key, value)
         b = query.shape[0]
-        heads = self.num_heads
-        projected = self.in_projs[0](query)
-        q, k, v = projected.view(b, 1, 3, heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
+        q, k, v = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
             q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
         ring, scales = state.kv_cache.cache, None
@@ -123,7 +134,7 @@ class LiveAttention(StreamingMultiheadAttention):
             scales = state.kv_cache.scale
             write_quantized(k, v, ring, scales, clock.slot.view(-1))
         else:
-            slot = clock.slot.expand(b, heads, 1, k.shape[-1])
+            slot = clock.slot.expand(*k.shape)
             if clock.quantized:
                 (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
                 scales = state.kv_cache.scale
@@ -148,8 +159,8 @@ class LiveAttention(StreamingMultiheadAttention):
 def install_live_attention(lm: Any, use_kernel: bool | None = None, kv_dtype: str = "bf16") -> bool:
     """Give ``lm``'s temporal transformer live-prefix attention; False where it cannot apply.
 
-    It applies to causal self-attention with one set of weights, no grouped KV heads and
-    a ring as long as the context (every Moshi and Hibiki LM); ``use_kernel`` defaults
+    It applies to causal self-attention with one set of weights and a ring as long as
+    the context (every Moshi and Hibiki LM, grouped KV heads or not); ``use_kernel`` defaults
     to the Triton kernel where it can run (CUDA), else the bit-exact SDPA fallback.
     ``kv_dtype="int8"`` stores the ring in 8 bits (``QuantRing``); any other value keeps
     the library's ring in the model's dtype. Call before ``streaming_forever``.

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from moshi.modules.transformer import StreamingMultiheadAttention
 
-from .live_lm import plain_self_attention
+from .live_lm import plain_self_attention, split_heads
 from .ring_attention import MAX_QUERIES, ring_attention
 
 
@@ -27,16 +27,15 @@ class RingAttention(StreamingMultiheadAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         state = self._streaming_state
         b, t = query.shape[:2]
-        if state is None or t > MAX_QUERIES:  # same state either way: stock advances it alike
+        if state is None or t * self.kv_repeat > MAX_QUERIES:  # the same state: stock advances it alike
             return super().forward(query, key, value)
         cache = state.kv_cache
-        projected = self.in_projs[0](query)
-        q, k, v = projected.view(b, t, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # p b h t d
+        q, k, v = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
             q, k = self.rope(q, k, state.offset, time_before_heads=False)
         ends = cache.end_offset
         slots = (ends.view(-1, 1) + torch.arange(t, device=ends.device)) % cache.capacity
-        slots = slots.view(b, 1, t, 1).expand(-1, self.num_heads, -1, k.shape[-1])
+        slots = slots.view(b, 1, t, 1).expand(*k.shape)
         cache.cache[0].scatter_(2, slots, k)
         cache.cache[1].scatter_(2, slots, v)
         x = ring_attention(q, cache.cache[0], cache.cache[1], ends)

@@ -26,10 +26,12 @@ classifier-free guidance's doubled batch) steps its full batch, as before.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from moshi.models.lm import _LMGenState
 from moshi.modules.conv import _StreamingConv1dState, _StreamingConvTr1dState
 from moshi.modules.streaming import State, StreamingModule
 from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
+from moshi.utils import compile as moshi_compile
 from moshi.utils.compile import CUDAGraphed
 
 from .live_lm import QuantRing
@@ -63,6 +66,49 @@ _RINGS: dict[type, tuple[tuple[str, int], ...]] = {
     QuantRing: (("cache", 1), ("scale", 1)),
 }
 _REASSIGNED = {_StreamingConv1dState: "first", _LMGenState: "offsets"}  # ``state.x = new tensor``
+
+
+class GraphPool:
+    """One CUDA memory pool for the graphs of one function at every bucket size.
+
+    A step replays one bucket's graphs, so the same function's graphs of two buckets
+    never run in the same step, and what one leaves in the pool is read before the next
+    step (a graph's outputs are consumed within its step; its inputs are copies made
+    outside the pool). Sharing the pool, the buckets together hold about what the largest
+    capture needs instead of the sum of all of them (vLLM shares one pool across its
+    decode batch sizes the same way).
+    """
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """moshi's ``CUDAGraphed`` captures with ``cuda.graph(g)``: give it this pool."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        saved = moshi_compile.cuda
+        moshi_compile.cuda = types.SimpleNamespace(  # type: ignore[assignment]
+            CUDAGraph=torch.cuda.CUDAGraph, graph=functools.partial(torch.cuda.graph, pool=self._handle)
+        )
+        try:
+            yield
+        finally:
+            moshi_compile.cuda = saved
+
+
+class PooledGraphed(CUDAGraphed):
+    """moshi's ``CUDAGraphed``, its capture allocating from a shared :class:`GraphPool`."""
+
+    def __init__(self, func: Callable[..., Any], pool: GraphPool, disable: bool = False) -> None:
+        super().__init__(func, disable=disable)
+        self.pool = pool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._graph is not None or self.disable or not torch.cuda.is_available():
+            return super().__call__(*args, **kwargs)
+        with self.pool.capturing():  # the engine thread alone captures: the swap is not seen
+            return super().__call__(*args, **kwargs)
 
 
 class Unbucketable(Exception):
@@ -150,6 +196,10 @@ class StateViews:
                 raise Unbucketable(f"{type(module).__name__} with cross-attention or CFG")
             _write_in_place(module._streaming_state)
         full = [m._streaming_state for m in self.modules]
+        for state in full:  # every bucket's graphs of one function share one pool
+            for name, value in list(vars(state).items()):
+                if isinstance(value, CUDAGraphed):
+                    setattr(state, name, PooledGraphed(value.func, GraphPool(), value.disable))
         self.by_size = {n: full if n == rows else [_view(s, rows, n) for s in full] for n in sizes}
         self.size = rows
         self.tensors = list({id(t): (t, axis) for s in full for _, _, t, axis in _per_row(s, rows)}.values())
@@ -219,8 +269,8 @@ def _view(state: Any, rows: int, size: int) -> Any:
     view.batch_size = size
     view.exec_mask = state.exec_mask[:size]  # the engine's one shared mask
     for name, value in list(vars(view).items()):
-        if isinstance(value, CUDAGraphed):
-            setattr(view, name, CUDAGraphed(value.func, disable=value.disable))
+        if isinstance(value, PooledGraphed):
+            setattr(view, name, PooledGraphed(value.func, value.pool, value.disable))
     view._set_exec_mask_graphed = None
     if _ring(state) is not None:
         view.kv_cache = copy.copy(state.kv_cache)
