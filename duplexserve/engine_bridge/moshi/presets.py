@@ -3,13 +3,13 @@
 A preset is the architecture of a released checkpoint (Mimi codec + multistream LM, its
 ``model_type`` and ``lm_gen_config``) with random weights, so the serving path can be
 measured on the true shapes without any download, and the tiny ones give the CPU tests
-every feature the released configs use. The released configs and how sure each value
-is: /work/shared/reference/checkpoints.md ([V] verbatim, [R] reconstructed).
+every feature the released configs use. Beside each config, how sure its values are:
+[V] read verbatim from a published file (the MLX or Rust twin of the checkpoint, or
+moshi's own code), [R] reconstructed from ports and reports, with the confidence.
 
 - ``moshi-7b``: ``kyutai/moshiko|moshika-pytorch-bf16`` (moshi's own ``_lm_kwargs``).
 - ``hibiki-1b``, ``hibiki-2b``: ``kyutai/hibiki-{1b,2b}-pytorch-bf16`` (FR->EN).
 - ``hibiki-zero-3b``: ``kyutai/hibiki-zero-3b-pytorch-bf16`` (reconstructed).
-- ``personaplex-7b``: ``nvidia/personaplex-7b-v1``'s LM (Moshi 7B with 16 depformer steps).
 - ``hibiki-2b-class``: the 2B class of Hibiki (24 layers, d=2048) that docs/benchmarks.md's
   H200 numbers were measured on, before the released 2B's shape was known.
 - ``tiny`` and ``tiny-*``: shrunk until a CPU step of a few sessions costs milliseconds (a
