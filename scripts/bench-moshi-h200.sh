@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The moshi engine's H200 runs (docs/benchmarks.md). Runs on the device machine, from the
-# repository root, with the wheels of what its image lacks in .whl/ (moshi, the server's
-# web stack). Usage: scripts/bench-moshi-h200.sh PHASE...; results go to $OUT.
+# The moshi engine's H200 runs (docs/benchmarks.md). Runs on the GPU host, from the
+# repository root; where the host's Python lacks moshi or the server's web stack, put their
+# wheels in .whl/ and they are installed first. Usage: scripts/bench-moshi-h200.sh PHASE...;
+# results go to $OUT.
 #   steps-hibiki            GPU step time against batch size, hibiki-2b
 #   steps-live              step time against live sessions (8, 32, 128, 384) in engines built for
 #                           8, 32, 128 and 384 slots, hibiki-2b, int8 ring (issue 37)

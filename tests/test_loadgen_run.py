@@ -137,3 +137,12 @@ def test_drop_every_cuts_resumes_and_every_frame_comes_once(echo_server, fmt):
     assert result.guards_ok, result.failures
     assert summary["frames"] == 6 * 50
     assert summary["resumes"] > 0 and summary["frames_lost"] == 0
+
+
+def test_a_count_only_run_passes_its_guards_and_leaves_the_tail_out(server_factory):
+    """``--expect none`` (an engine whose answers cannot be predicted) checks only how many
+    frames came back; the frames input.end's tail adds past the input are not answers."""
+    server = server_factory("--delay-frames", "2", "--max-sessions", "8")
+    result = run_load(_spec(server.ws(), expect="none", sessions=2, concurrency=2))
+    assert result.guards_ok, result.failures
+    assert result.summary()["frames"] == 2 * 12
