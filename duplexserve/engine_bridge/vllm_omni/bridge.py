@@ -81,6 +81,7 @@ class VllmOmniOutput:
     error: str | None = None
     message: str = ""
     close_code: int | None = errors.INTERNAL
+    finished: list[int] | None = None  # no end-of-input tail (Engine.tail): never finished early
     duration_s: float = 0.0
     tick_lag_s: float | None = None  # vLLM-Omni steps on its own schedule: no step clock here
     catch_up: bool = False
