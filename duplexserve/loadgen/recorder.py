@@ -63,7 +63,6 @@ class SessionRecorder:
         self.close_code: int | None = None
         self.done_callback: Any = None
         self.resumes = self.replayed = self.frames_lost = 0
-        self.tail_frames = 0
         width = SAMPLE_BYTES.get(output.format)
         self._frame_bytes = width * output.frame_samples if width else 0
         self._recent = recent  # shared by a worker: round trips for the live p99
@@ -95,9 +94,8 @@ class SessionRecorder:
     def on_audio(self, data: bytes, now: float) -> None:
         received = self.received
         i = len(received)
-        if i >= len(self.sent):  # input.end's tail: the model finishing on silence, no input
-            self.tail_frames += 1  # frame of ours to answer, time or check
-            return
+        if i >= len(self.sent):  # input.end's tail: the model finishing on silence answers no
+            return  # frame of ours, so there is nothing to time or check
         received.append(now)
         self._recent.append(now - self.sent[i])
         if self._frame_bytes and len(data) != self._frame_bytes:

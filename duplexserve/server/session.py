@@ -87,7 +87,6 @@ class Session:
         #: still to be told that the input ended (a tail that runs until the model is done).
         self.tail: Tail = NO_TAIL
         self.end_due = False
-        self.frames_tail = 0  # tail frames answered
         self._tail_left = 0  # tail frames still to hand to the engine
         self._tail_pushed = 0
         self._partial = np.zeros(0, dtype=np.float32)
@@ -103,6 +102,11 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.state is State.CLOSED
+
+    @property
+    def frames_tail(self) -> int:
+        """Answers past the last input frame: input.end's tail (output i answers input i)."""
+        return max(0, self.frames_out - self.frames_in)
 
     @property
     def input_paused(self) -> bool:
@@ -217,8 +221,6 @@ class Session:
         self.inflight -= 1
         index = self.frames_out
         self.frames_out += 1
-        if index >= self.frames_in:
-            self.frames_tail += 1
         if finished:
             self._tail_left = 0
         self._out.append(AudioOut(index, audio))
