@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
-from duplexserve.engine_bridge.moshi.reference import FRAME, server_loop, stock_models
+from duplexserve.engine_bridge.moshi.reference import FRAME, lm_tokens, server_loop, stock_models
 
 CONTEXT = 16  # LM ring of 16 frames: the 40-frame session wraps it twice
 
@@ -43,34 +43,31 @@ def run_sessions(
     engine: MoshiEngine, sessions: list = SESSIONS
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Stream ``sessions`` through the engine: each session's audio out, tokens, input."""
-    step_fn = engine.lm_gen.step
-    batch_tokens: list = []
-    engine.lm_gen.step = lambda codes: batch_tokens.append(step_fn(codes)) or batch_tokens[-1]
     inputs = [signal(10 + i, n) for i, (_, _, n, _) in enumerate(sessions)]
     sent = [0] * len(sessions)
     outputs: list[list[np.ndarray]] = [[] for _ in sessions]
     tokens: list[list[np.ndarray]] = [[] for _ in sessions]
     last = max(start + n + len(skips) for _, start, n, skips in sessions)
-    for step in range(last):
-        rows = []
-        for i, (slot, start, n, skips) in enumerate(sessions):
-            if step == start:
-                engine.open(slot, {})
-            if step >= start and sent[i] < n and step not in skips:
-                rows.append(i)
-        if not rows:
-            continue
-        slots = np.array([sessions[i][0] for i in rows])
-        result = engine.step(slots, np.stack([inputs[i][sent[i]] for i in rows]))
-        where = engine.rows_of(slots)  # the slots' rows in LMGen's batch (row_buckets.py)
-        for row, i in enumerate(rows):
-            outputs[i].append(result.audio[row].copy())
-            if sent[i] >= engine.delay_frames:
-                tokens[i].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
-            sent[i] += 1
-            if sent[i] == sessions[i][2]:
-                engine.close(sessions[i][0])
-    engine.lm_gen.step = step_fn
+    with lm_tokens(engine) as batch_tokens:
+        for step in range(last):
+            rows = []
+            for i, (slot, start, n, skips) in enumerate(sessions):
+                if step == start:
+                    engine.open(slot, {})
+                if step >= start and sent[i] < n and step not in skips:
+                    rows.append(i)
+            if not rows:
+                continue
+            slots = np.array([sessions[i][0] for i in rows])
+            result = engine.step(slots, np.stack([inputs[i][sent[i]] for i in rows]))
+            where = engine.rows_of(slots)  # the slots' rows in LMGen's batch (row_buckets.py)
+            for row, i in enumerate(rows):
+                outputs[i].append(result.audio[row].copy())
+                if sent[i] >= engine.delay_frames:
+                    tokens[i].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
+                sent[i] += 1
+                if sent[i] == sessions[i][2]:
+                    engine.close(sessions[i][0])
     return [np.stack(o) for o in outputs], [np.stack(t) for t in tokens], inputs
 
 

@@ -19,7 +19,7 @@ import websockets.asyncio.client
 
 from duplexserve.engine_bridge.engine import Tail
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
-from duplexserve.engine_bridge.moshi.reference import FRAME, server_loop, stock_models
+from duplexserve.engine_bridge.moshi.reference import FRAME, lm_tokens, server_loop, stock_models
 from tests.test_moshi_equivalence import CONTEXT, signal
 
 EOS = 2  # the text token that ends a Hibiki translation
@@ -41,9 +41,6 @@ def serve_with_tails(engine: MoshiEngine, inputs: dict[int, np.ndarray], ending:
     """Step every slot's input; the slots in ``ending`` then get input.end and their tail
     (at most LIMIT frames, or until a step says the row finished). Each slot's audio out,
     tokens out, and the frames it was stepped on."""
-    step_fn = engine.lm_gen.step
-    batch_tokens: list = []
-    engine.lm_gen.step = lambda codes: batch_tokens.append(step_fn(codes)) or batch_tokens[-1]
     fed = {slot: list(x) for slot, x in inputs.items()}
     stepped: dict[int, list[np.ndarray]] = {slot: [] for slot in inputs}
     audio: dict[int, list[np.ndarray]] = {slot: [] for slot in inputs}
@@ -51,33 +48,33 @@ def serve_with_tails(engine: MoshiEngine, inputs: dict[int, np.ndarray], ending:
     tail_left = {slot: 0 for slot in inputs}
     for slot in inputs:
         engine.open(slot, {})
-    while True:
-        slots = []
-        for slot in inputs:
-            if len(stepped[slot]) == len(inputs[slot]) and slot in ending:
-                engine.end_input(slot, len(inputs[slot]))  # as the bridge tells it, before the tail
-                ending.discard(slot)
-                tail_left[slot] = engine.tail.frames or LIMIT
-            if len(stepped[slot]) < len(fed[slot]) or tail_left[slot]:
-                slots.append(slot)
-        if not slots:
-            break
-        frames = []
-        for slot in slots:
-            if len(stepped[slot]) >= len(fed[slot]):  # the tail: silence
-                fed[slot].append(np.zeros(FRAME, np.float32))
-                tail_left[slot] -= 1
-            frames.append(fed[slot][len(stepped[slot])])
-            stepped[slot].append(frames[-1])
-        result = engine.step(np.array(slots), np.stack(frames))
-        where = engine.rows_of(np.array(slots))
-        for row, slot in enumerate(slots):
-            audio[slot].append(result.audio[row].copy())
-            if len(stepped[slot]) > engine.delay_frames:
-                tokens[slot].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
-            if result.finished and row in result.finished:
-                tail_left[slot] = 0
-    engine.lm_gen.step = step_fn
+    with lm_tokens(engine) as batch_tokens:
+        while True:
+            slots = []
+            for slot in inputs:
+                if len(stepped[slot]) == len(inputs[slot]) and slot in ending:
+                    engine.end_input(slot, len(inputs[slot]))  # as the bridge tells it, before the tail
+                    ending.discard(slot)
+                    tail_left[slot] = engine.tail.frames or LIMIT
+                if len(stepped[slot]) < len(fed[slot]) or tail_left[slot]:
+                    slots.append(slot)
+            if not slots:
+                break
+            frames = []
+            for slot in slots:
+                if len(stepped[slot]) >= len(fed[slot]):  # the tail: silence
+                    fed[slot].append(np.zeros(FRAME, np.float32))
+                    tail_left[slot] -= 1
+                frames.append(fed[slot][len(stepped[slot])])
+                stepped[slot].append(frames[-1])
+            result = engine.step(np.array(slots), np.stack(frames))
+            where = engine.rows_of(np.array(slots))
+            for row, slot in enumerate(slots):
+                audio[slot].append(result.audio[row].copy())
+                if len(stepped[slot]) > engine.delay_frames:
+                    tokens[slot].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
+                if result.finished and row in result.finished:
+                    tail_left[slot] = 0
     return audio, tokens, stepped
 
 

@@ -285,29 +285,28 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _run_batched(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Sessions opening at different steps and skipping some, in one batch: audio, tokens."""
-    captured: list[Any] = []
-    step_fn = engine.lm_gen.step
-    engine.lm_gen.step = lambda codes: captured.append(step_fn(codes)) or captured[-1]
+    from duplexserve.engine_bridge.moshi.reference import lm_tokens
+
     n, frames = len(inputs), len(inputs[0])
     starts = [0, 0, 3, 7, 11, 20][:n]
     audio: list[list[np.ndarray]] = [[] for _ in range(n)]
     tokens: list[list[np.ndarray]] = [[] for _ in range(n)]
     sent, step = [0] * n, 0
-    while any(s < frames for s in sent):
-        for i in range(n):
-            if step == starts[i]:
-                engine.open(i, {})
-        rows = [i for i in range(n) if step >= starts[i] and sent[i] < frames and step % 9 != i]
-        if rows:
-            result = engine.step(np.array(rows), np.stack([inputs[i][sent[i]] for i in rows]))
-            tok = captured.pop().cpu().numpy()
-            where = engine.rows_of(np.array(rows))  # the slots' rows in LMGen's batch
-            for r, i in enumerate(rows):
-                audio[i].append(result.audio[r].copy())
-                tokens[i].append(tok[where[r], :, 0])
-                sent[i] += 1
-        step += 1
-    engine.lm_gen.step = step_fn
+    with lm_tokens(engine) as captured:
+        while any(s < frames for s in sent):
+            for i in range(n):
+                if step == starts[i]:
+                    engine.open(i, {})
+            rows = [i for i in range(n) if step >= starts[i] and sent[i] < frames and step % 9 != i]
+            if rows:
+                result = engine.step(np.array(rows), np.stack([inputs[i][sent[i]] for i in rows]))
+                tok = captured.pop().cpu().numpy()
+                where = engine.rows_of(np.array(rows))  # the slots' rows in LMGen's batch
+                for r, i in enumerate(rows):
+                    audio[i].append(result.audio[r].copy())
+                    tokens[i].append(tok[where[r], :, 0])
+                    sent[i] += 1
+            step += 1
     skip = engine.delay_frames
     return [np.stack(a) for a in audio], [np.stack(t[skip:]) for t in tokens]
 

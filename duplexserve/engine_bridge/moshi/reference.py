@@ -10,11 +10,26 @@ compare the engine with it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 FRAME = 1920
+
+
+@contextlib.contextmanager
+def lm_tokens(engine: Any) -> Iterator[list[Any]]:
+    """The tokens of every ``LMGen.step`` the engine runs meanwhile, in the batch's row order
+    (``engine.rows_of`` maps slots to rows): what the engine's answers are compared by."""
+    captured: list[Any] = []
+    step = engine.lm_gen.step
+    engine.lm_gen.step = lambda codes: captured.append(step(codes)) or captured[-1]
+    try:
+        yield captured
+    finally:
+        engine.lm_gen.step = step
 
 
 def stock_models(engine: Any, context: int = 0) -> tuple[Any, Any, str]:
