@@ -101,6 +101,11 @@ class ServerConfig:
         None, "moshi engine: text top-k (unset: the checkpoint's, else 25)", parse=int
     )
     moshi_seed: int = _opt(0, "moshi engine: seed of the random weights and of sampling")
+    voice_prompt_dir: str = _opt(
+        "",
+        "moshi engine, PersonaPlex: the folder of voice prompts sessions may name (NVIDIA's voices.tgz"
+        " .pt files, or .wav), each loaded once at start",
+    )
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
     moshi_attention: str = _opt(

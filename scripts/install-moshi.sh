@@ -23,7 +23,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q --no-deps "moshi==0.2.13"
 "$PY" -m pip install -q "safetensors>=0.4,<0.8" "huggingface-hub>=0.24,<1.0" "einops>=0.7,<0.9" \
-  "sentencepiece>=0.2,<0.3" "numpy>=1.26,<3"
+  "sentencepiece>=0.2,<0.3" "numpy>=1.26,<3" "pyloudnorm>=0.1.1,<0.3"
 "$PY" -c "import moshi.models, torch; print('moshi', moshi.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 if [ "${DUPLEXSERVE_TORCH_CUDA:-0}" = 1 ] && ! "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
   echo "install-moshi.sh: DUPLEXSERVE_TORCH_CUDA=1 but the torch installed is not a CUDA build" >&2

@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 ./scripts/install-moshi.sh  # the moshi engine's torch + moshi, pinned (see the script)
+# The reference of tests/test_hibiki_zero_reference.py: Hibiki-Zero's own server loop
+# (hibiki-zero 0.0.4, inference.ServerState). A test dependency only, so not in
+# install-moshi.sh (the GPU image runs that). --no-deps: it declares gradio and jupyter, its
+# web UI and notebooks, which the test never runs (and moshi, installed above). What its
+# inference module imports beyond moshi's own: aiohttp (in moshi's declared range) and
+# IPython (client_utils.py imports IPython.display).
+.venv/bin/python -m pip install -q --no-deps "hibiki-zero==0.0.4"
+.venv/bin/python -m pip install -q "aiohttp>=3.10.5,<3.12" "ipython>=8,<10"
 .venv/bin/ruff check duplexserve tests
 .venv/bin/python -m pytest -q "$@"
 # The protocol, codec and reliability tests again over uvicorn's own ASGI path: the

@@ -19,7 +19,7 @@ from typing import Any
 from duplexserve.check.requirements import Problem
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, resolve_checkpoint
-from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
+from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset, stream_codebooks
 
 WEIGHTS_FIX = "point --moshi-weights at a folder laid out like the checkpoint's Hugging Face repository"
 SETTINGS_FIX = "docs/moshi-engine.md (Weights) says what a checkpoint needs and which settings go together"
@@ -72,7 +72,7 @@ def resolve_model(config: ServerConfig) -> Model:
             raise ModelError(Problem(str(exc), SETTINGS_FIX)) from exc
         lm = dict(info.lm_config or MOSHI_7B_LM)  # no config.json: moshi's Moshi 7B
         streams = 2 if info.tts_config.get("multistream") else 1  # as CheckpointInfo.get_mimi counts
-        codebooks = max(lm["dep_q"], lm["n_q"] - lm["dep_q"]) // streams
+        codebooks = stream_codebooks(lm) // streams
         given = [("config", source.config), ("LoRA", source.lora)]
         name = f"{source.hf_repo or Path(source.weights).resolve()}" + "".join(
             f", {what} {path}" for what, path in given if path

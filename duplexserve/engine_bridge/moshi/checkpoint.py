@@ -7,6 +7,10 @@ local Hugging Face cache (``--moshi-hf-repo``, never a download). It swaps the l
 ``hf_hub_download`` for that lookup while ``from_hf_repo`` runs, so every file the
 config names, a LoRA file or Mimi config included, is found the way moshi finds it.
 
+PersonaPlex's config.json names only its ``model_type`` and a version: its architecture
+lives in the loader of NVIDIA's server (Moshi 7B with 16 depformer steps), so a stub
+config of a known ``model_type`` takes that architecture here (``_STUB_ARCHITECTURES``).
+
 One of moshi's readings is not kept: offline, a config.json missing from the cache
 raises ``LocalEntryNotFoundError``, a kind of the ``EntryNotFoundError`` moshi takes for
 a legacy repository, and it silently builds a Moshi 7B. Here only the repositories known
@@ -33,6 +37,8 @@ if TYPE_CHECKING:
 
 # Released without config.json, so moshi builds them from its own _lm_kwargs (checkpoints.md, 1).
 _NO_CONFIG = ("moshiko-", "moshika-")
+# Released with a stub config.json: model_type -> the preset holding its architecture.
+_STUB_ARCHITECTURES = {"personaplex": "personaplex-7b"}
 
 
 @dataclass(frozen=True)
@@ -44,12 +50,13 @@ class CheckpointSource:
     config: str = ""  # replaces the checkpoint's config.json (moshi's --config-path)
     lora: str = ""  # a LoRA adapter, fused at load (moshi's --lora-weight)
     tokenizer: str = ""  # replaces the checkpoint's SentencePiece model
+    preset: str = ""  # a stub config's architecture, when this preset is of its model_type
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> CheckpointSource:
         return cls(
             config.moshi_hf_repo, config.moshi_weights, config.moshi_config, config.moshi_lora,
-            config.moshi_tokenizer,
+            config.moshi_tokenizer, config.moshi_preset,
         )  # fmt: skip
 
     @property
@@ -88,14 +95,34 @@ def resolve_checkpoint(source: CheckpointSource) -> CheckpointInfo:
             repo, tokenizer=tokenizer, config_path=config, lora_weights=lora, revision=revision
         )
     get_family(info.model_type)  # refuses a family the engine does not serve, by name
+    _fill_stub_architecture(info, source.preset)
     wants_lora = bool((info.lm_config or {}).get("lora"))
     if wants_lora != (info.lora_weights is not None):
         raise ValueError(
-            f"{source.lora or 'the config'}: a LoRA adapter needs a config with \"lora\": true "
+            f'{source.lora or "the config"}: a LoRA adapter needs a config with "lora": true '
             "(moshi-finetune's consolidated/config.json, through --moshi-config) and the adapter "
             "(--moshi-lora, or the config's lora_name); one came without the other"
         )
     return info
+
+
+def _fill_stub_architecture(info: CheckpointInfo, preset_name: str) -> None:
+    """A config.json of a known ``model_type`` without architecture keys (PersonaPlex's
+    ``{"model_type": "personaplex", "version": "7b-v1"}``) gets the architecture its own
+    server's loader builds, or ``--moshi-preset``'s where that preset is of the same
+    ``model_type`` (``tiny-personaplex`` in the tests); keys it does give are kept."""
+    from duplexserve.engine_bridge.moshi.presets import PRESETS
+
+    given = dict(info.lm_config or {})
+    if info.model_type not in _STUB_ARCHITECTURES or "dim" in given:
+        return
+    preset = PRESETS.get(preset_name)
+    if preset is None or preset.model_type != info.model_type:
+        preset = PRESETS[_STUB_ARCHITECTURES[info.model_type]]
+    given.pop("version", None)
+    info.lm_config = {**preset.lm, **given}
+    info.lm_gen_config = info.lm_gen_config or dict(preset.lm_gen_config)
+    info.mimi_config = info.mimi_config or dict(preset.mimi)
 
 
 def preset_checkpoint(preset: Preset) -> CheckpointInfo:

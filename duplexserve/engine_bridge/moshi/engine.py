@@ -37,6 +37,13 @@ from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_
 from duplexserve.engine_bridge.moshi.families import get_family
 from duplexserve.engine_bridge.moshi.memory import MemoryPlan, kv_bytes_per_slot
 from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
+from duplexserve.engine_bridge.moshi.prompts import (
+    Prompt,
+    StreamLayout,
+    VoiceNotFound,
+    load_voices,
+    wrap_system,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +85,7 @@ class MoshiEngine(Engine):
         context: int = 0,
         sampling: Sampling | None = None,
         seed: int = 0,
+        voice_dir: str = "",
         threads: int = 0,
         cuda_graphs: bool = True,
         attention: str = "live",
@@ -88,7 +96,7 @@ class MoshiEngine(Engine):
         mimi_graph: str = "whole",
     ) -> None:
         super().__init__(num_slots)
-        source = CheckpointSource(hf_repo, weights, config, lora, tokenizer)
+        source = CheckpointSource(hf_repo, weights, config, lora, tokenizer, preset)
         self.preset = None if source.given else get_preset(preset)
         self.checkpoint = resolve_checkpoint(source) if source.given else None  # moshi's CheckpointInfo
         self.source = source
@@ -101,6 +109,8 @@ class MoshiEngine(Engine):
         self.context = context
         self.sampling = sampling or Sampling()
         self.seed = seed
+        self.voice_dir = voice_dir
+        self.voices: dict[str, Any] = {}  # name -> prompts.Voice (prompted families)
         self.threads = threads
         self.cuda_graphs = cuda_graphs
         self.attention = attention
@@ -139,6 +149,7 @@ class MoshiEngine(Engine):
         from duplexserve.engine_bridge.moshi.live_attention import triton_available
         from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
         from duplexserve.engine_bridge.moshi.live_mimi import install_ring_attention
+        from duplexserve.engine_bridge.moshi.user_steps import drop_user_steps
 
         self._torch = torch
         if self.device_name == "auto":
@@ -174,8 +185,13 @@ class MoshiEngine(Engine):
             device=device, dtype=dtype, load_weight=self.preset is None, fuse_lora=True,
             lm_kwargs_overrides=overrides,
         )  # fmt: skip
+        if drop_user_steps(lm):  # PersonaPlex: moshi sized Mimi for all 16 steps
+            mimi.set_num_codebooks(lm.n_q - lm.dep_q)
         if self.preset is not None:
             _calibrate_codebooks(mimi)
+        if self.family.prompted:
+            self._layout = StreamLayout.of(lm, mimi)
+            self.voices = load_voices(self.voice_dir, mimi, lm.dim, lm.num_codebooks)
         self.tokenizer = None
         if self.tokenizer_path:
             import sentencepiece
@@ -199,6 +215,7 @@ class MoshiEngine(Engine):
             cfg_coef=self.cfg_coef,
             condition_tensors=self._condition_tensors(lm, self.num_slots),
             support_out_of_sync=True,  # one clock per slot: a reset never stalls the others
+            on_audio_hook=self._force_audio if self.family.prompted else None,
             **self.sampling.lm_gen_kwargs(info.lm_gen_config),
         )
         self.mimi = mimi
@@ -227,6 +244,7 @@ class MoshiEngine(Engine):
         self.num_slots = b
         self._steps = np.zeros(b, dtype=np.int64)
         self._eoi_at = np.full(b, -1, dtype=np.int64)  # per slot: index of its end-of-input frame
+        self._lead = np.full(b, self.delay_frames)  # per slot: steps before its first answer
         pin = self.device.type == "cuda"
         self._exec_host = torch.zeros(b, dtype=torch.bool, pin_memory=pin)
         self._exec = self._exec_host.numpy()
@@ -251,6 +269,14 @@ class MoshiEngine(Engine):
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
         self._rows = RowBuckets(streaming_modules(self.mimi, self.lm_gen), b, bucket_sizes(b))
+        if self.family.prompted:  # prompts.py: each row's user codes held back a step
+            lm = self.lm_gen.lm_model
+            user = lm.num_codebooks - 1 - lm.dep_q
+            self._held = torch.zeros((b, user, 1), dtype=torch.long, device=self.device)
+            self._lagged = torch.zeros(b, dtype=torch.bool, device=self.device)
+            self._forced: dict[int, list[np.ndarray]] = {}  # slot -> agent tokens its next steps force
+            self._forcing: tuple[Any, Any] | None = None
+            self._rows.views.tensors += [(self._held, 0), (self._lagged, 0)]  # moved with their rows
         graphed = self.cuda_graphs and self.device.type == "cuda"
         whole = graphed and self.mimi_graph == "whole"
         pools = (GraphPool(), GraphPool())  # encode's graphs, decode's: each shared by the buckets
@@ -353,17 +379,107 @@ class MoshiEngine(Engine):
         self._rows.map.clear()
         self._steps[:] = 0
         self._eoi_at[:] = -1
+        self._lead[:] = self.delay_frames
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._rows.map.open(slot)  # the lowest free row, reset before it next steps
         self._steps[slot] = 0
         self._eoi_at[slot] = -1
+        self._lead[slot] = self.delay_frames
+        if self.family.prompted:
+            self._open_prompted(slot, params)
 
     def close(self, slot: int) -> None:
         self._rows.map.close(slot)  # its row's state stays until an open resets it
         self._steps[slot] = 0
         self._eoi_at[slot] = -1
+        if self.family.prompted:
+            self._forced.pop(slot, None)
+
+    # -------------------------------------------------------------------- prompts
+    def prompt(self, params: dict[str, Any]) -> Prompt:
+        """The prompt of a session's ``text_prompt`` and ``voice_prompt`` (prompts.py);
+        ``VoiceNotFound`` for a voice this server does not hold."""
+        text, voice_name = params.get("text_prompt") or "", params.get("voice_prompt") or ""
+        voice = None
+        if voice_name:
+            voice = self.voices.get(voice_name)
+            if voice is None:
+                raise VoiceNotFound(f"voice_prompt {voice_name!r} is not one of this server's voices")
+        tokens: list[int] = []
+        if text.strip():
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs the model's tokenizer")
+            tokens = self.tokenizer.encode(wrap_system(text))
+        prompt = Prompt.build(self._layout, tokens, voice)
+        context = self.lm_gen.lm_model.transformer.layers[0].self_attn.context
+        if prompt.frames > context:
+            raise ValueError(f"the prompt is {prompt.frames} frames, more than the context ({context})")
+        return prompt
+
+    def _open_prompted(self, slot: int, params: dict[str, Any]) -> None:
+        """Reset the session's row now and run its prompt through the LM in one forward."""
+        from duplexserve.engine_bridge.moshi.row_buckets import one_row, streaming_modules
+
+        torch = self._torch
+        prompt = self.prompt(params)
+        row = int(self._rows.map.row_of[slot])
+        lm = self.lm_gen.lm_model
+        with torch.no_grad(), self._no_compile():
+            self._rows.views.use(self.num_slots)  # the full states: the row is reset in place
+            mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+            mask[row] = True
+            self.mimi.reset_streaming(mask)
+            self.lm_gen.reset_streaming(mask)
+            self._rows.map.reset[row] = False
+            n = prompt.frames - 1  # positions the prompt runs through the transformer
+            seq = torch.from_numpy(prompt.tokens[:n].T.copy()).to(self.device)[None]
+            x = lm.text_emb(seq[:, 0])  # LMModel.forward_text's sum, in its order
+            x = sum((lm.emb[k](seq[:, k + lm.audio_offset]) for k in range(1, lm.num_audio_codebooks)),
+                    lm.emb[0](seq[:, lm.audio_offset])) + x  # fmt: skip
+            if prompt.voice_embeddings is not None:
+                x[0, : len(prompt.voice_embeddings)] = prompt.voice_embeddings.to(x)
+            modules = [m for m in streaming_modules(lm.transformer) if m._streaming_state is not None]
+            with one_row(modules, self.num_slots, row):
+                lm.transformer(x)
+            state = self.lm_gen._streaming_state
+            state.offsets[row] = n
+            state.cache[row, :, n % state.cache.shape[2]] = torch.from_numpy(prompt.tokens[n]).to(self.device)
+            self._held[row, :, 0] = torch.tensor(self._layout.sine, device=self.device)
+            self._lagged[row] = True
+        self._lead[slot] = 0  # the prompt's delay is behind it: every step answers
+        forced = [row_tokens[1 : 1 + lm.dep_q] for row_tokens in prompt.forced_after]
+        self._forced[slot] = [f for f in forced if (f >= 0).any()]
+
+    def _hold_back(self, codes: Any, size: int) -> Any:
+        """The LM hears each prompted row's user codes one step late (prompts.py)."""
+        torch = self._torch
+        lagged = self._lagged[:size, None, None]
+        held = self._held[:size]
+        out = torch.where(lagged, held, codes)
+        held.copy_(torch.where(lagged & self._mask_dev[:size, None, None], codes, held))
+        return out
+
+    def _due_forcing(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """The agent tokens a prompt still forces at this step, for ``_force_audio``."""
+        self._forcing = None
+        if not self._forced:
+            return
+        forced = self._forced
+        due = [(int(r), forced[s].pop(0)) for s, r in zip(slots.tolist(), rows, strict=True) if forced.get(s)]
+        for slot in [s for s, left in self._forced.items() if not left]:
+            del self._forced[slot]
+        if due:
+            torch = self._torch
+            at = torch.tensor([r for r, _ in due], device=self.device)
+            self._forcing = (at, torch.from_numpy(np.stack([t for _, t in due])).to(self.device))
+
+    def _force_audio(self, audio_tokens: Any) -> None:
+        """LMGen's audio hook: the depformer's tokens replaced where a prompt forces them."""
+        if self._forcing is not None:
+            at, tokens = self._forcing
+            audio_tokens[at] = self._torch.where(tokens >= 0, tokens, audio_tokens[at])
 
     def end_input(self, slot: int, frames: int) -> None:
         """A translation model is told the input ended with its frame ``frames`` (families.py)."""
@@ -409,11 +525,14 @@ class MoshiEngine(Engine):
                 codes[torch.from_numpy(end_rows).to(self.device)] = self.mimi.cardinality
                 self._mask_dev.copy_(self._exec_host, non_blocking=True)
                 self._refresh_lm_mask()
+            if self.family.prompted:
+                codes = self._hold_back(codes, size)
+                self._due_forcing(slots, rows)
             tokens = self.lm_gen.step(codes)
             assert tokens is not None  # support_out_of_sync: never None
             steps = self._steps[slots] + 1
             self._steps[slots] = steps
-            ready = steps > self.delay_frames  # rows past the model's delay
+            ready = steps > self._lead[slots]  # rows past the model's delay
             decode = self._decode
             decode[:] = False
             decode[rows[ready]] = True
@@ -527,6 +646,7 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
             top_k_text=config.moshi_top_k_text,
         ),
         seed=config.moshi_seed,
+        voice_dir=config.voice_prompt_dir,
         threads=config.moshi_threads,
         cuda_graphs=config.moshi_cuda_graphs,
         attention=config.moshi_attention,

@@ -28,14 +28,22 @@ class Family:
     # samples its end of text (``eos_text_id``, the tokenizer's ``eos_id()``).
     ends_on_eos: bool = False
     eos_text_id: int = 2
+    # PersonaPlex's server steps a prompt (a voice, silence, its "<system> ... <system>"
+    # text, silence: every stream forced) before each session, and its LMGen feeds a
+    # user frame to the model one call after it arrives (prompts.py).
+    prompted: bool = False
 
     def tail(self, delay: int) -> Tail:
-        return Tail(until_done=True) if self.ends_on_eos else Tail(frames=delay)
+        if self.ends_on_eos:
+            return Tail(until_done=True)
+        return Tail(frames=delay + 1 if self.prompted else delay)  # the frame held back
 
 
 FAMILIES: dict[str, Family] = {
     "moshi": Family("moshi"),
     "hibiki": Family("hibiki", ends_on_eos=True),  # Hibiki and Hibiki-Zero: moshi.server's loop
+    # NVIDIA's server: no first-frame rule (the prompt holds the first positions).
+    "personaplex": Family("personaplex", first_frame_reset=False, prompted=True),
 }
 
 

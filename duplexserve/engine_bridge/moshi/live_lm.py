@@ -10,6 +10,9 @@ writes K/V into the library's own ring buffer and attends with ``live_attention`
 Stock moshi instead rebuilds an int64 ``[B, capacity]`` position table and mask in
 every layer and attends over the whole ring.
 
+A forward of several frames at once on a streaming state (a prompt's prefill,
+``prompts.py``) writes all their keys into the ring and attends causally over it.
+
 Everything else (projections, RoPE, ``rope_concat`` included, the ring's memory with
 its grouped KV heads, reset, exec mask, CUDA graphs) is the library's. Mimi's
 transformers and the depformer have short rings of their own (``live_mimi.py``,
@@ -54,6 +57,7 @@ def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> 
     state = transformer._streaming_state
     clock.active = state is not None and args[0].shape[1] == 1
     if not clock.active:
+        clock.offsets = None if state is None else state.offsets  # a prefill's first position
         return
     offsets = state.offsets
     ends = offsets + 1
@@ -123,8 +127,10 @@ class LiveAttention(StreamingMultiheadAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         clock = self._live_clock
         state = self._streaming_state
-        if state is None or not clock.active:
+        if state is None:
             return super().forward(query, key, value)
+        if not clock.active:
+            return self._prefill(query)
         b = query.shape[0]
         q, k, v = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
@@ -154,6 +160,35 @@ class LiveAttention(StreamingMultiheadAttention):
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
         state.offset_cpu += 1
         return self.out_projs[0](x)
+
+    def _prefill(self, query: torch.Tensor) -> torch.Tensor:
+        """``T`` frames of each row at once, from the transformer's offsets: their keys and
+        values written into the ring (which they must not wrap: a prefill starts a
+        session), each frame attending to the ring up to its own position."""
+        clock = self._live_clock
+        state = self._streaming_state
+        b, t = query.shape[:2]
+        q, k, v = split_heads(self, self.in_projs[0](query))
+        if self.rope is not None:
+            q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
+        positions = clock.offsets.view(-1, 1, 1, 1) + torch.arange(t, device=q.device).view(1, 1, -1, 1)
+        ring = state.kv_cache.cache
+        slots = positions.expand(*k.shape)
+        if clock.quantized:
+            scales = state.kv_cache.scale
+            for i, x in enumerate((k, v)):
+                x8, scale = quantize(x)
+                ring[i].scatter_(2, slots, x8)
+                scales[i].scatter_(2, slots[..., 0], scale)
+            keys, values = dequantize(ring, scales, q.dtype)
+        else:
+            ring[0].scatter_(2, slots, k)
+            ring[1].scatter_(2, slots, v)
+            keys, values = ring[0], ring[1]
+        mask = torch.arange(clock.capacity, device=q.device).view(1, 1, 1, -1) <= positions
+        x = reference_attention(q, keys, values, mask)
+        state.offset_cpu += t
+        return self.out_projs[0](x.transpose(1, 2).reshape(b, t, -1))
 
 
 def install_live_attention(lm: Any, use_kernel: bool | None = None, kv_dtype: str = "bf16") -> bool:

@@ -10,6 +10,8 @@ moshi's own code), [R] reconstructed from ports and reports, with the confidence
 - ``moshi-7b``: ``kyutai/moshiko|moshika-pytorch-bf16`` (moshi's own ``_lm_kwargs``).
 - ``hibiki-1b``, ``hibiki-2b``: ``kyutai/hibiki-{1b,2b}-pytorch-bf16`` (FR->EN).
 - ``hibiki-zero-3b``: ``kyutai/hibiki-zero-3b-pytorch-bf16`` (reconstructed).
+- ``personaplex-7b``: ``nvidia/personaplex-7b-v1``, whose config.json names only its
+  ``model_type``: the architecture is NVIDIA's loader's (Moshi 7B with 16 depformer steps).
 - ``hibiki-2b-class``: the 2B class of Hibiki (24 layers, d=2048) that docs/benchmarks.md's
   H200 numbers were measured on, before the released 2B's shape was known.
 - ``tiny`` and ``tiny-*``: shrunk until a CPU step of a few sessions costs milliseconds (a
@@ -100,6 +102,15 @@ MOSHI_7B_LM: dict[str, Any] = {
 }
 
 
+def stream_codebooks(lm: dict[str, Any]) -> int:
+    """Mimi codebooks per stream. moshi's CheckpointInfo counts ``max(dep_q, n_q - dep_q)``,
+    which is 16 for a depformer that also predicts the user's stream (PersonaPlex: n_q 16,
+    dep_q 16), whose streams are 8 codebooks each."""
+    if lm["dep_q"] == lm["n_q"]:
+        return lm["n_q"] // 2
+    return max(lm["dep_q"], lm["n_q"] - lm["dep_q"])
+
+
 def _delays(codebooks: int, acoustic_delay: int) -> list[int]:
     """Text stream, then per audio stream a semantic codebook (0) and delayed acoustic ones."""
     stream = [0] + [acoustic_delay] * (codebooks - 1)
@@ -174,6 +185,10 @@ HIBIKI_ZERO_3B_LM: dict[str, Any] = {  # [R]: architecture medium-high, key spel
     "depformer_norm": "layer_norm",  # [R] learned per-step output norms
     "delays": _delays(16, 2),
 }  # no conditioners: unknown for the release (a checkpoint's own config decides)
+# NVIDIA's loader: moshi's _lm_kwargs with dep_q 16 [V]; the depformer also predicts the
+# user's 8 codebooks (steps 8-15), whose tokens are always replaced by the user's own.
+PERSONAPLEX_7B_LM: dict[str, Any] = {**MOSHI_7B_LM, "dep_q": 16}
+PERSONAPLEX_GEN: dict[str, Any] = {"temp": 0.8, "temp_text": 0.7, "top_k": 250, "top_k_text": 25}  # [V]
 HIBIKI_2B_CLASS_LM: dict[str, Any] = {
     **MOSHI_7B_LM,
     "dim": 2048,
@@ -237,6 +252,8 @@ TINY_ZERO_LM: dict[str, Any] = {  # hibiki-zero-3b's: grouped KV heads, rope_con
     "depformer_norm": "layer_norm",
     "depformer_low_rank_embeddings": None,
 }
+# personaplex-7b's: the depformer predicts both streams (dep_q == n_q: 4 + 4 codebooks here)
+TINY_PERSONAPLEX_LM: dict[str, Any] = {**TINY_LM, "dep_q": 8}
 
 
 @dataclass(frozen=True)
@@ -249,8 +266,8 @@ class Preset:
 
     @property
     def codebooks(self) -> int:
-        """Mimi codebooks per stream (user in, model out), as moshi's CheckpointInfo counts them."""
-        return max(self.lm["dep_q"], self.lm["n_q"] - self.lm["dep_q"])
+        """Mimi codebooks per stream (user in, model out)."""
+        return stream_codebooks(self.lm)
 
     @property
     def max_delay(self) -> int:
@@ -263,10 +280,14 @@ PRESETS: dict[str, Preset] = {
     "hibiki-1b": Preset("hibiki-1b", HIBIKI_1B_LM, MIMI, "hibiki", HIBIKI_GEN),
     "hibiki-2b": Preset("hibiki-2b", HIBIKI_2B_LM, MIMI, "hibiki", HIBIKI_GEN),
     "hibiki-zero-3b": Preset("hibiki-zero-3b", HIBIKI_ZERO_3B_LM, MIMI, "hibiki", HIBIKI_GEN),
+    "personaplex-7b": Preset("personaplex-7b", PERSONAPLEX_7B_LM, MIMI, "personaplex", PERSONAPLEX_GEN),
     "hibiki-2b-class": Preset("hibiki-2b-class", HIBIKI_2B_CLASS_LM, MIMI),
     "tiny": Preset("tiny", TINY_LM, TINY_MIMI),
     "tiny-hibiki": Preset("tiny-hibiki", TINY_HIBIKI_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN),
     "tiny-zero": Preset("tiny-zero", TINY_ZERO_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN),
+    "tiny-personaplex": Preset(
+        "tiny-personaplex", TINY_PERSONAPLEX_LM, TINY_MIMI, "personaplex", PERSONAPLEX_GEN
+    ),
 }
 
 
