@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from duplexserve.engine_bridge.engine import PromptError
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling, _calibrate_codebooks
 from duplexserve.engine_bridge.moshi.presets import get_preset
-from duplexserve.engine_bridge.moshi.prompts import VoiceNotFound, load_voice
+from duplexserve.engine_bridge.moshi.prompts import load_voice
 from duplexserve.engine_bridge.moshi.reference import lm_tokens, personaplex_loop
 from tests.test_moshi_engine import _tokenizer
 from tests.test_moshi_equivalence import signal
@@ -123,7 +124,9 @@ def run(engine: MoshiEngine, sessions: list) -> tuple[list, list, list]:
             live = []
             for i, (slot, start, n, params) in enumerate(sessions):
                 if step == start:
-                    engine.open(slot, params)
+                    engine.open(slot, {})
+                    if params:  # else the default prompt runs at its first step
+                        engine.prompt(slot, params)
                 if start <= step and sent[i] < n:
                     live.append(i)
             slots = np.array([sessions[i][0] for i in live])
@@ -184,7 +187,8 @@ def run_same_input(engine: MoshiEngine, sessions: list) -> list[np.ndarray]:
     """Sessions ``(slot, frames, prompt)`` opened together, all hearing the same input: their tokens."""
     frames = signal(5, max(n for _, n, _ in sessions))
     for slot, _, params in sessions:
-        engine.open(slot, params)
+        engine.open(slot, {})
+        engine.prompt(slot, params)
     slots = np.array([slot for slot, _, _ in sessions])
     out = []
     with lm_tokens(engine) as batch_tokens:
@@ -208,9 +212,11 @@ def test_a_pt_voice_answers_as_the_wav_it_was_saved_from(checkpoint):
 def test_an_unknown_voice_is_refused_by_name(checkpoint):
     engine = engine_for(checkpoint)
     try:
-        assert sorted(engine.voices) == ["voice.pt", "voice.wav"]
-        with pytest.raises(VoiceNotFound, match=r"NATF9\.pt"):
-            engine.open(0, {"voice_prompt": "NATF9.pt"})
+        assert engine.takes_prompts and engine.voices == ("voice.pt", "voice.wav")
+        engine.open(0, {})
+        with pytest.raises(PromptError, match=r"NATF9\.pt") as refused:
+            engine.prompt(0, {"voice_prompt": "NATF9.pt"})
+        assert refused.value.code == "voice_not_found"
     finally:
         engine.stop()
 

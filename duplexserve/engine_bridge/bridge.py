@@ -42,7 +42,7 @@ import janus
 import numpy as np
 
 from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher, StepClock
-from duplexserve.engine_bridge.engine import Engine
+from duplexserve.engine_bridge.engine import Engine, PromptError
 from duplexserve.engine_bridge.overflow import OrderedPutter
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,16 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Open:
     params: dict[str, Any] = field(default_factory=dict)
+
+
+#: Called on the loop once the engine ran a prompt: None, or (error code, message).
+PromptDone = Callable[[tuple[str, str] | None], None]
+
+
+@dataclass(slots=True)
+class Prompt:
+    params: dict[str, Any]
+    done: PromptDone
 
 
 @dataclass(slots=True)
@@ -238,6 +248,10 @@ class EngineBridge:
     def open(self, slot: int, generation: int, params: dict[str, Any]) -> None:
         self.submit((slot, generation, Open(params)))
 
+    def prompt(self, slot: int, generation: int, params: dict[str, Any], done: PromptDone) -> None:
+        """Run a session's prompt (Engine.prompt) after its open, before its frames."""
+        self.submit((slot, generation, Prompt(params, done)))
+
     def close(self, slot: int, generation: int) -> None:
         self.submit((slot, generation, _CLOSE))
 
@@ -358,6 +372,8 @@ class EngineBridge:
                     self._restart("engine_died")
                 else:
                     self._fail_slot(slot, generation, "engine_error")
+        elif payload.__class__ is Prompt:
+            self._prompt(slot, generation, payload)
         elif payload.__class__ is EndInput:
             if self._open.get(slot) == generation:
                 self.engine.end_input(slot, payload.frames)
@@ -371,6 +387,27 @@ class EngineBridge:
                 if not self.engine.alive():
                     self._restart("engine_died")
         return False
+
+    def _prompt(self, slot: int, generation: int, payload: Prompt) -> None:
+        """The prompt runs on this thread (a prefill: one forward), between two steps."""
+        outcome: tuple[str, str] | None = None
+        if self._open.get(slot) == generation:
+            try:
+                self.engine.prompt(slot, payload.params)
+            except PromptError as exc:
+                outcome = (exc.code, str(exc))
+            except Exception:
+                log.exception("engine.prompt failed for slot %d", slot)
+                outcome = ("engine_error", "the engine failed to run the prompt")
+                if not self.engine.alive():
+                    self._restart("engine_died")
+                else:
+                    self._fail_slot(slot, generation, "engine_error")
+        else:
+            outcome = ("engine_error", "the session ended before its prompt ran")
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(payload.done, outcome)
 
     def _fail_slot(self, slot: int, generation: int, error: str) -> None:
         self._batcher.close(slot)

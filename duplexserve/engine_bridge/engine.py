@@ -41,6 +41,16 @@ class Tail:
 NO_TAIL = Tail()
 
 
+class PromptError(ValueError):
+    """A session's prompt refused, with PROTOCOL.md's error code: ``prompt_unsupported``
+    (the model takes none; the session goes on without it), ``voice_not_found`` (fatal,
+    1008), ``invalid_prompt`` (one that does not fit the model)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class Engine(ABC):
     """A model that owns the streaming state of ``num_slots`` sessions."""
 
@@ -53,6 +63,10 @@ class Engine(ABC):
     #: a buffer of its own offers that buffer and skips the copy. None: a new array a step.
     #: An engine offering it must not return views of it (the next step overwrites it).
     input_buffer: np.ndarray | None = None
+    #: Known once ``start`` returned: whether sessions take a prompt (PersonaPlex: a text
+    #: and a voice, run before their first frame), and the voices they may name.
+    takes_prompts: bool = False
+    voices: tuple[str, ...] = ()
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -72,6 +86,12 @@ class Engine(ABC):
     @abstractmethod
     def close(self, slot: int) -> None:
         """The session in ``slot`` is gone; its state may be dropped."""
+
+    def prompt(self, slot: int, params: dict[str, Any]) -> None:
+        """Run the prompt of ``params`` (``text_prompt``, ``voice_prompt``) for the session
+        just opened in ``slot``, before its first frame; ``PromptError`` says why not. An
+        engine that takes prompts runs a default one for a session stepped without."""
+        raise PromptError("prompt_unsupported", f"the {self.name} engine's model takes no prompt")
 
     def end_input(self, slot: int, frames: int) -> None:  # noqa: B027 - optional hook
         """The input of ``slot`` ended after ``frames`` frames; what follows is its tail.

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from duplexserve.config import ServerConfig
-from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class ProcessEngine(Engine):
             self._lost = False
             child.close()
             self._conn = parent
-            self.tail = self._call(("start",))  # the child's engine says what input.end takes
+            # The child's engine says what input.end takes and whether sessions take prompts.
+            self.tail, self.takes_prompts, self.voices = self._call(("start",))
         except BaseException:
             # A refused start (the memory plan, a missing checkpoint) stops the child, which
             # stops its half-built engine, and unlinks the buffers: a daemon child killed at
@@ -84,6 +85,8 @@ class ProcessEngine(Engine):
         except (EOFError, OSError, BrokenPipeError) as exc:
             self._lost = True  # the pipe broke: it is dead even if not yet reaped
             raise EngineProcessError("engine process died") from exc
+        if status == "prompt_error":
+            raise PromptError(*value)
         if status != "ok":
             raise EngineProcessError(value)
         return value
@@ -96,6 +99,9 @@ class ProcessEngine(Engine):
 
     def close(self, slot: int) -> None:
         self._call(("close", slot))
+
+    def prompt(self, slot: int, params: dict[str, Any]) -> None:
+        self._call(("prompt", slot, params))
 
     def end_input(self, slot: int, frames: int) -> None:
         self._call(("end_input", slot, frames))
@@ -165,6 +171,10 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     assert engine is not None
                     engine.open(message[1], message[2])
                     conn.send(("ok", None))
+                elif kind == "prompt":
+                    assert engine is not None
+                    engine.prompt(message[1], message[2])
+                    conn.send(("ok", None))
                 elif kind == "close":
                     assert engine is not None
                     engine.close(message[1])
@@ -178,10 +188,12 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     engine.start()
                     gc.collect()  # then torch and the model stay out of every later
                     gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)
-                    conn.send(("ok", engine.tail))
+                    conn.send(("ok", (engine.tail, engine.takes_prompts, engine.voices)))
                 elif kind == "stop":
                     conn.send(("ok", None))
                     return
+            except PromptError as exc:  # refused, not failed: the parent raises it with its code
+                conn.send(("prompt_error", (exc.code, str(exc))))
             except Exception:  # the parent raises it where the call was made
                 conn.send(("error", traceback.format_exc()))
     finally:

@@ -205,6 +205,23 @@ class Orchestrator:
         self.bridge.open(slot, session.generation, params or {})
         return session
 
+    async def run_prompt(self, session: Session, params: dict[str, Any]) -> tuple[str, str] | None:
+        """Run a new session's prompt (``text_prompt``, ``voice_prompt``) before its first
+        audio; None once the engine ran it, else (PROTOCOL.md's error code, message). A model
+        without prompts and an unknown voice are answered here, without the engine."""
+        engine = self.engine
+        if not engine.takes_prompts:
+            return "prompt_unsupported", "this model takes no prompt; the session goes on without it"
+        voice = params.get("voice_prompt")
+        if voice and voice not in engine.voices:
+            return "voice_not_found", f"voice_prompt {voice!r}: not one of this server's (GET /v1/voices)"
+        assert self._loop is not None
+        done: asyncio.Future[tuple[str, str] | None] = self._loop.create_future()
+        self.bridge.prompt(
+            session.slot, session.generation, params, lambda outcome: done.done() or done.set_result(outcome)
+        )
+        return await done
+
     # --------------------------------------------------------------------- frames
     def pump(self, session: Session) -> None:
         """After the session changed: hand its ready frames over, or free its slot."""

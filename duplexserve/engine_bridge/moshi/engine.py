@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from duplexserve.config import ServerConfig
-from duplexserve.engine_bridge.engine import Engine, StepResult
+from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.families import get_family
 from duplexserve.engine_bridge.moshi.memory import MemoryPlan, kv_bytes_per_slot
@@ -40,7 +40,6 @@ from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
 from duplexserve.engine_bridge.moshi.prompts import (
     Prompt,
     StreamLayout,
-    VoiceNotFound,
     load_voices,
     wrap_system,
 )
@@ -110,7 +109,7 @@ class MoshiEngine(Engine):
         self.sampling = sampling or Sampling()
         self.seed = seed
         self.voice_dir = voice_dir
-        self.voices: dict[str, Any] = {}  # name -> prompts.Voice (prompted families)
+        self._voices: dict[str, Any] = {}  # name -> prompts.Voice (prompted families)
         self.threads = threads
         self.cuda_graphs = cuda_graphs
         self.attention = attention
@@ -191,7 +190,8 @@ class MoshiEngine(Engine):
             _calibrate_codebooks(mimi)
         if self.family.prompted:
             self._layout = StreamLayout.of(lm, mimi)
-            self.voices = load_voices(self.voice_dir, mimi, lm.dim, lm.num_codebooks)
+            self._voices = load_voices(self.voice_dir, mimi, lm.dim, lm.num_codebooks)
+            self.takes_prompts, self.voices = True, tuple(self._voices)
         self.tokenizer = None
         if self.tokenizer_path:
             import sentencepiece
@@ -275,6 +275,7 @@ class MoshiEngine(Engine):
             self._held = torch.zeros((b, user, 1), dtype=torch.long, device=self.device)
             self._lagged = torch.zeros(b, dtype=torch.bool, device=self.device)
             self._forced: dict[int, list[np.ndarray]] = {}  # slot -> agent tokens its next steps force
+            self._unprompted: set[int] = set()  # opened, no prompt yet: the default runs first
             self._forcing: tuple[Any, Any] | None = None
             self._rows.views.tensors += [(self._held, 0), (self._lagged, 0)]  # moved with their rows
         graphed = self.cuda_graphs and self.device.type == "cuda"
@@ -388,7 +389,7 @@ class MoshiEngine(Engine):
         self._eoi_at[slot] = -1
         self._lead[slot] = self.delay_frames
         if self.family.prompted:
-            self._open_prompted(slot, params)
+            self._unprompted.add(slot)
 
     def close(self, slot: int) -> None:
         self._rows.map.close(slot)  # its row's state stays until an open resets it
@@ -396,34 +397,40 @@ class MoshiEngine(Engine):
         self._eoi_at[slot] = -1
         if self.family.prompted:
             self._forced.pop(slot, None)
+            self._unprompted.discard(slot)
 
     # -------------------------------------------------------------------- prompts
-    def prompt(self, params: dict[str, Any]) -> Prompt:
-        """The prompt of a session's ``text_prompt`` and ``voice_prompt`` (prompts.py);
-        ``VoiceNotFound`` for a voice this server does not hold."""
+    def prompt(self, slot: int, params: dict[str, Any]) -> None:
+        """Reset the session's row now and run its prompt through the LM in one forward."""
+        if not self.family.prompted:
+            super().prompt(slot, params)
+        self._unprompted.discard(slot)
+        self._prefill(slot, self._build_prompt(params))
+
+    def _build_prompt(self, params: dict[str, Any]) -> Prompt:
+        """The prompt of a session's ``text_prompt`` and ``voice_prompt`` (prompts.py)."""
         text, voice_name = params.get("text_prompt") or "", params.get("voice_prompt") or ""
         voice = None
         if voice_name:
-            voice = self.voices.get(voice_name)
+            voice = self._voices.get(voice_name)
             if voice is None:
-                raise VoiceNotFound(f"voice_prompt {voice_name!r} is not one of this server's voices")
+                raise PromptError("voice_not_found", f"voice_prompt {voice_name!r}: no such voice here")
         tokens: list[int] = []
         if text.strip():
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs the model's tokenizer")
+                raise PromptError("invalid_prompt", "a text prompt needs the model's tokenizer")
             tokens = self.tokenizer.encode(wrap_system(text))
         prompt = Prompt.build(self._layout, tokens, voice)
         context = self.lm_gen.lm_model.transformer.layers[0].self_attn.context
         if prompt.frames > context:
-            raise ValueError(f"the prompt is {prompt.frames} frames, more than the context ({context})")
+            message = f"the prompt is {prompt.frames} frames, more than the model's context ({context})"
+            raise PromptError("invalid_prompt", message)
         return prompt
 
-    def _open_prompted(self, slot: int, params: dict[str, Any]) -> None:
-        """Reset the session's row now and run its prompt through the LM in one forward."""
+    def _prefill(self, slot: int, prompt: Prompt) -> None:
         from duplexserve.engine_bridge.moshi.row_buckets import one_row, streaming_modules
 
         torch = self._torch
-        prompt = self.prompt(params)
         row = int(self._rows.map.row_of[slot])
         lm = self.lm_gen.lm_model
         with torch.no_grad(), self._no_compile():
@@ -495,6 +502,9 @@ class MoshiEngine(Engine):
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
         torch = self._torch
         started = time.perf_counter()
+        if self.family.prompted and self._unprompted:  # stepped before any prompt: the default one
+            for slot in self._unprompted.intersection(slots.tolist()):
+                self.prompt(slot, {})
         with torch.no_grad(), self._no_compile():
             rows, size, reset = self._rows.prepare(slots)  # the step runs rows [0, size)
             self._mimi_encode, self._mimi_decode = self._mimi_fns[size]

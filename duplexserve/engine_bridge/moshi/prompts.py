@@ -38,10 +38,6 @@ VOICE_LUFS = -24.0
 VOICE_SUFFIXES = (".pt", ".wav", ".flac", ".mp3", ".ogg")
 
 
-class VoiceNotFound(LookupError):
-    """A voice the server does not hold (PROTOCOL.md: ``voice_not_found``)."""
-
-
 def wrap_system(text: str) -> str:
     """The text as NVIDIA's server wraps it, unless it is wrapped already."""
     cleaned = text.strip()
