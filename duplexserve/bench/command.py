@@ -53,6 +53,9 @@ BENCHMARKS = {
         add="add_rtf_arguments",
         run="cmd_rtf",
     ),
+    "moshi-prompts": Benchmark(
+        "moshi_prompt", "moshi engine: a PersonaPlex prompt's prefill against the step", run="main"
+    ),
     "moshi-step": Benchmark(
         "moshi_step", "moshi engine: the step broken down, one layer's attention, agreement with batch 1"
     ),

@@ -1,0 +1,160 @@
+"""``duplexserve bench moshi-prompts``: what a PersonaPlex prompt's prefill costs, engine alone.
+
+A prompt is run between two steps on the engine thread (one forward of its frames for
+the session's row, ``engine.prompt``), so what it costs is added to the next step of
+every live session. This measures, on a prompted preset with random weights: the step
+time of ``--live`` sessions, the prefill time of a prompt of ``--text-tokens`` text
+tokens and a ``.pt`` voice of ``--voice-frames`` frames, and a step that follows a
+prefill. ``--assets DIR`` also leaves the tokenizer and voice it made there, for a
+server run (``--moshi-tokenizer DIR/spm.model --voice-prompt-dir DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FRAME = 1920
+WORDS = ("support", "agent", "billing", "account", "order", "refund", "delivery", "please", "help",
+         "customer", "service", "calm", "friendly")  # fmt: skip
+
+
+def write_assets(folder: Path, lm: dict, voice_frames: int) -> str:
+    """A SentencePiece model and a ``.pt`` voice in NVIDIA's format (random embeddings,
+    a token cache of PAD, silence and tone); returns the voice's name."""
+    import sentencepiece
+    import torch
+
+    from duplexserve.engine_bridge.moshi.prompts import SILENCE_TOKENS, SINE_TOKENS, TEXT_PAD
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=200,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    (folder / "spm.model").write_bytes(model.getvalue())
+    streams, agent = lm["n_q"] + 1, lm["n_q"] // 2
+    row = [TEXT_PAD, *(t % lm["card"] for t in SILENCE_TOKENS[:agent] + SINE_TOKENS[:agent])]
+    cache = torch.tensor(row).view(1, streams, 1).repeat(1, 1, 4)
+    embeddings = (
+        torch.randn(voice_frames - 1, 1, 1, lm["dim"], generator=torch.Generator().manual_seed(0)) * 0.02
+    )
+    name = f"random-{voice_frames}.pt"
+    torch.save({"embeddings": embeddings.to(torch.bfloat16), "cache": cache}, folder / name)
+    return name
+
+
+def text_of(tokenizer, tokens: int) -> str:
+    """Words until the wrapped text is ``tokens`` tokens long (as the engine encodes it)."""
+    from duplexserve.engine_bridge.moshi.prompts import wrap_system
+
+    rng = random.Random(1)
+    words: list[str] = []
+    while len(tokenizer.encode(wrap_system(" ".join(words)))) < tokens:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)
+
+
+def main(args: argparse.Namespace) -> None:
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
+    from duplexserve.engine_bridge.moshi.presets import get_preset
+
+    preset = get_preset(args.preset)
+    lm = preset.lm
+    folder = Path(args.assets) if args.assets else Path(tempfile.mkdtemp(prefix="moshi-prompts-"))
+    voice = write_assets(folder, lm, args.voice_frames)
+    lives = [int(n) for n in args.live.split(",")]
+    engine = MoshiEngine(
+        max(lives), args.preset, tokenizer=str(folder / "spm.model"), voice_dir=str(folder),
+        kv_dtype=args.kv_dtype, device=args.device,
+    )  # fmt: skip
+    t = time.perf_counter()
+    engine.start()
+    print(f"built {args.preset} in {time.perf_counter() - t:.1f} s", flush=True)
+    torch = engine._torch
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    params = {"text_prompt": text_of(engine.tokenizer, args.text_tokens), "voice_prompt": voice}
+    frames_of = engine._build_prompt(params).frames
+    rng = np.random.default_rng(0)
+    rows = []
+    for live in lives:
+        slots = np.arange(live)
+        for slot in slots.tolist():
+            engine.open(slot, {})
+            engine.prompt(slot, params)
+        frames = (rng.standard_normal((live, FRAME)) * 0.05).astype(np.float32)
+        for _ in range(5):
+            engine.step(slots, frames)
+        sync()
+        alone, prefill, after = [], [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step(slots, frames)
+            alone.append(time.perf_counter() - t0)
+        for i in range(args.prompts):  # a session ends and a new one takes its slot with the prompt
+            slot = i % live
+            engine.close(slot)
+            engine.open(slot, {})
+            sync()
+            t0 = time.perf_counter()
+            engine.prompt(slot, params)
+            sync()
+            t1 = time.perf_counter()
+            engine.step(slots, frames)
+            prefill.append(t1 - t0)
+            after.append(time.perf_counter() - t1)
+        for slot in slots.tolist():
+            engine.close(slot)
+        row = {
+            "live": live,
+            "prompt_frames": frames_of,
+            "step_ms_p50": 1000 * float(np.median(alone)),
+            "step_ms_p99": 1000 * float(np.percentile(alone, 99)),
+            "prefill_ms_p50": 1000 * float(np.median(prefill)),
+            "prefill_ms_max": 1000 * max(prefill),
+            "step_after_prefill_ms_p50": 1000 * float(np.median(after)),
+            "prefill_plus_step_ms_max": 1000 * max(p + a for p, a in zip(prefill, after, strict=True)),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {
+        "preset": args.preset,
+        "kv_dtype": args.kv_dtype,
+        "text_tokens": args.text_tokens,
+        "voice_frames": args.voice_frames,
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    head = ("live", "prompt", "step p50", "prefill p50", "max", "step after", "sum max")
+    print("".join(f"{h:>12}" for h in head))
+    for r in rows:
+        cells = [r["live"], r["prompt_frames"], r["step_ms_p50"], r["prefill_ms_p50"], r["prefill_ms_max"],
+                 r["step_after_prefill_ms_p50"], r["prefill_plus_step_ms_max"]]  # fmt: skip
+        print("".join(f"{c:>12}" if isinstance(c, int) else f"{c:>10.1f}ms" for c in cells))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="personaplex-7b")
+    p.add_argument("--live", default="64,128", help="live sessions, each prompted, a row each")
+    p.add_argument("--text-tokens", type=int, default=200)
+    p.add_argument("--voice-frames", type=int, default=100, help="frames of the .pt voice (8 s)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=20, help="sessions replaced with the prompt per row")
+    p.add_argument("--kv-dtype", default="int8", choices=("bf16", "int8"))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--assets", default="", help="leave the tokenizer and the voice here")
+    p.add_argument("--out", default="")
