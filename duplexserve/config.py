@@ -251,6 +251,25 @@ class ServerConfig:
     )
     realtime_silence_ms: int = _opt(480, "OpenAI Realtime: this much silent output ends a response")
 
+    # WebRTC (POST /v1/realtime/calls; docs/protocols.md).
+    ice_servers: str = _opt(
+        "", "WebRTC: STUN/TURN servers for deployments behind NAT, as a JSON list of RTCIceServer objects "
+        "([{\"urls\": \"turn:turn.example.com:3478\", \"username\": \"u\", \"credential\": \"p\"}]) or plain "
+        "comma-separated URLs; empty: host candidates only (never a public default)"
+    )
+    ice_host_addresses: str = _opt(
+        "", "WebRTC: comma-separated addresses offered as host candidates (127.0.0.1 included if named); "
+        "empty: every interface's address except loopback, as aioice gathers them"
+    )
+    webrtc_jitter_frames: int = _opt(
+        3, "WebRTC: the jitter buffer's depth in 20 ms packets: how long the model's clock runs behind the "
+        "first packet, so that packets this much late or early are still played in order"
+    )
+    webrtc_output_fec: bool = _opt(
+        False, "WebRTC: in-band FEC in the Opus the server sends (browsers rebuild lost packets from it; "
+        "costs up to 4x the encoding CPU)"
+    )
+
     # Security.
     api_keys: str = _opt("", "comma-separated API keys; empty: no authentication")
     allowed_origins: str = _opt("", "comma-separated Origins browsers may connect from; empty: any")
@@ -351,6 +370,8 @@ class ServerConfig:
             raise ValueError("opus_complexity must be 0..10")
         if not 0 <= self.codec_batch_ms <= 20:
             raise ValueError("codec_batch_ms must be 0..20")
+        if not 1 <= self.webrtc_jitter_frames <= 50:
+            raise ValueError("webrtc_jitter_frames must be 1..50 (20 ms packets)")
 
 
 _BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")

@@ -32,6 +32,7 @@ from duplexserve.server.realtime import RealtimeConnection
 from duplexserve.server.session import Limits
 from duplexserve.server.twilio import TwilioConnection
 from duplexserve.server.twilio_wire import TwilioCollector
+from duplexserve.server.webrtc import WebRTCCalls, WebRTCCollector
 
 PROTOCOLS: dict[str, type[Connection]] = {
     "/v1/duplex": NativeConnection,
@@ -83,6 +84,8 @@ class DuplexApp:
         )
         self.metrics.registry.register(CodecProcessesCollector(self.codec_procs.cpu_seconds))
         self.metrics.registry.register(TwilioCollector())
+        self.webrtc = WebRTCCalls(config, self.orchestrator, self.codec_pool, self.codec_procs)
+        self.metrics.registry.register(WebRTCCollector(self.webrtc))
         self.http = self._http_app()
 
     @contextlib.asynccontextmanager
@@ -96,6 +99,7 @@ class DuplexApp:
         finally:
             self.metrics.gc_pauses.stop()
             await self.orchestrator.stop()
+            await self.webrtc.close()
             self.codec_pool.shutdown(wait=False, cancel_futures=True)
             self.codec_procs.close()
 
@@ -128,6 +132,7 @@ class DuplexApp:
             return FileResponse(STATIC_DIR / "index.html")
 
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+        self.webrtc.add_routes(app)  # POST /v1/realtime/calls, .../hangup, /v1/realtime/client_secrets
 
         return app
 
