@@ -106,6 +106,11 @@ class ServerConfig:
         "moshi engine, PersonaPlex: the folder of voice prompts sessions may name (NVIDIA's voices.tgz"
         " .pt files, or .wav), each loaded once at start",
     )
+    prompt_cache_mb: int = _opt(
+        1024,
+        "moshi engine, PersonaPlex: GPU memory for the keys and values of prompts already run (MiB), so"
+        " a session with a prompt seen before copies them instead of running it; counted in the plan",
+    )
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
     moshi_attention: str = _opt(

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,3 +113,13 @@ def echo_server(tmp_path_factory) -> Iterator[ServerProcess]:
     server = start_server(str(tmp_path_factory.mktemp("echo")), "--max-sessions", "64")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def personaplex_checkpoint(tmp_path_factory) -> Path:
+    """A tiny PersonaPlex checkpoint with its voices (tests/personaplex_checkpoint.py), built
+    once a test session."""
+    pytest.importorskip("moshi")
+    from tests.personaplex_checkpoint import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("personaplex"))

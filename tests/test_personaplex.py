@@ -12,25 +12,23 @@ Greedy, float64: every token equal.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from duplexserve.engine_bridge.engine import PromptError
-from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
-from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling, _calibrate_codebooks
+from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, resolve_checkpoint
+from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 from duplexserve.engine_bridge.moshi.presets import get_preset
 from duplexserve.engine_bridge.moshi.prompts import load_voice
 from duplexserve.engine_bridge.moshi.reference import lm_tokens, personaplex_loop
-from tests.test_moshi_engine import _tokenizer
+from tests.personaplex_checkpoint import CONTEXT, PRESET, reference
 from tests.test_moshi_equivalence import signal
 
 pytest.importorskip("moshi")
 
-PRESET = "tiny-personaplex"
-CONTEXT = 64  # the first session below runs past it
+# CONTEXT (tests/personaplex_checkpoint.py): the first session below runs past it
 TEXT = "hello duplex"
 # (slot, first step, frames, prompt): sessions joining and leaving a batch of live ones,
 # slot 1 taken again, a prompt joining while three others stream
@@ -40,68 +38,14 @@ SESSIONS = [
     (2, 3, 12, {"voice_prompt": "voice.pt"}),
     (1, 9, 8, {"text_prompt": "every slot"}),
     (3, 10, 5, {"text_prompt": TEXT}),
+    (2, 16, 6, {"voice_prompt": "voice.pt"}),  # a prompt run before: its cached keys and values
 ]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """The released layout, random weights, and the voices folder beside it."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("personaplex")
-    preset = get_preset(PRESET)
-    torch.manual_seed(11)
-    info = preset_checkpoint(preset)
-    mimi = info.get_mimi()
-    _calibrate_codebooks(mimi)
-    lm = info.get_moshi(dtype=torch.float32, load_weight=False)
-    assert lm.dep_q == lm.n_q  # every step of the depformer is in the file
-    save_file(lm.state_dict(), str(folder / "model.safetensors"))
-    save_file(mimi.state_dict(), str(folder / "tokenizer-e351c8d8-checkpoint125.safetensors"))
-    _tokenizer(folder / "tokenizer_spm_32k_3.model")
-    (folder / "config.json").write_text(json.dumps({"model_type": "personaplex", "version": "7b-v1"}))
-    voices = folder / "voices"
-    voices.mkdir()
-    write_wav(voices / "voice.wav", 0.5 * signal(99, 5).reshape(-1))
-    _, _, saved = personaplex_loop(
-        reference(folder), np.zeros((0, 1920), np.float32), layout(folder), voice=wav_voice(folder)
-    )
-    torch.save({"embeddings": saved["embeddings"].float(), "cache": saved["cache"]}, voices / "voice.pt")
-    return folder
-
-
-def write_wav(path: Path, pcm: np.ndarray, rate: int = 24000) -> None:
-    import wave
-
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-
-
-def reference(folder: Path) -> tuple:
-    """The checkpoint as NVIDIA's loader builds it: every depformer step, float64."""
-    import torch
-
-    info = resolve_checkpoint(CheckpointSource(weights=str(folder), preset=PRESET))
-    mimi = info.get_mimi().double()
-    mimi.set_num_codebooks(4)
-    lm = info.get_moshi(dtype=torch.float64, lm_kwargs_overrides={"context": CONTEXT})
-    return mimi, lm, info.model_type
-
-
-def layout(folder: Path):
-    from duplexserve.engine_bridge.moshi.prompts import StreamLayout
-
-    mimi, lm, _ = reference(folder)
-    return StreamLayout.of(lm, mimi)
-
-
-def wav_voice(folder: Path):
-    mimi, lm, _ = reference(folder)
-    return load_voice(folder / "voices" / "voice.wav", mimi, lm.dim, lm.num_codebooks)
+def checkpoint(personaplex_checkpoint) -> Path:
+    """The released layout, random weights, and the voices folder beside it (conftest.py)."""
+    return personaplex_checkpoint
 
 
 def engine_for(folder: Path) -> MoshiEngine:

@@ -163,6 +163,7 @@ class EngineBridge:
         self._results: collections.deque[StepOutput] = collections.deque()
         self._wake_pending = False
         self._open: dict[int, int] = {}  # open slot: its generation (all end if the engine does)
+        self._prompts: collections.deque[tuple[int, int, Prompt]] = collections.deque()  # to run
         self.running = False  # False while starting, restarting or stopped: /ready says 503
         self.abandoned = False  # set when a stalled engine is replaced: its thread exits
         self.step_started = 0.0  # monotonic start of the step in progress, 0 when idle
@@ -307,7 +308,7 @@ class EngineBridge:
         coalesce_s = 0.0 if clock else self.coalesce_s
         try:
             while True:
-                if not batcher.pending:  # idle: block for work, then let a batch gather
+                if not batcher.pending and not self._prompts:  # idle: block for work, let a batch gather
                     try:
                         entry = sync_q.get(timeout=_ALIVE_CHECK_S)
                     except janus.SyncQueueEmpty:  # idle sessions learn of a dead engine too
@@ -325,6 +326,8 @@ class EngineBridge:
                         break
                     if self._take_all(entry):
                         return
+                if self._prompts:
+                    self._run_prompts()
                 if not batcher.pending:
                     continue
                 if clock is not None:
@@ -373,7 +376,7 @@ class EngineBridge:
                 else:
                     self._fail_slot(slot, generation, "engine_error")
         elif payload.__class__ is Prompt:
-            self._prompt(slot, generation, payload)
+            self._prompts.append((slot, generation, payload))
         elif payload.__class__ is EndInput:
             if self._open.get(slot) == generation:
                 self.engine.end_input(slot, payload.frames)
@@ -387,6 +390,20 @@ class EngineBridge:
                 if not self.engine.alive():
                     self._restart("engine_died")
         return False
+
+    def _run_prompts(self) -> None:
+        """The prompts waiting, in order, until a second one would need a forward: a step of
+        the live sessions waits for one prefill at most (a prompt the engine ran before is a
+        copy of its keys and values; one whose session ended costs nothing)."""
+        forward = False
+        while self._prompts:
+            slot, generation, payload = self._prompts[0]
+            cached = self._open.get(slot) != generation or self.engine.prompt_cached(payload.params)
+            if forward and not cached:
+                return
+            self._prompts.popleft()
+            forward = forward or not cached
+            self._prompt(slot, generation, payload)
 
     def _prompt(self, slot: int, generation: int, payload: Prompt) -> None:
         """The prompt runs on this thread (a prefill: one forward), between two steps."""

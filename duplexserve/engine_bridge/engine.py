@@ -93,6 +93,10 @@ class Engine(ABC):
         engine that takes prompts runs a default one for a session stepped without."""
         raise PromptError("prompt_unsupported", f"the {self.name} engine's model takes no prompt")
 
+    def prompt_cached(self, params: dict[str, Any]) -> bool:
+        """Whether ``prompt(slot, params)`` is cheap now (run before, or refused at once)."""
+        return True
+
     def end_input(self, slot: int, frames: int) -> None:  # noqa: B027 - optional hook
         """The input of ``slot`` ended after ``frames`` frames; what follows is its tail.
         An engine whose model is told of the end (Hibiki: one end-of-input frame) does so

@@ -103,6 +103,9 @@ class ProcessEngine(Engine):
     def prompt(self, slot: int, params: dict[str, Any]) -> None:
         self._call(("prompt", slot, params))
 
+    def prompt_cached(self, params: dict[str, Any]) -> bool:
+        return bool(self._call(("prompt_cached", params)))
+
     def end_input(self, slot: int, frames: int) -> None:
         self._call(("end_input", slot, frames))
 
@@ -175,6 +178,9 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     assert engine is not None
                     engine.prompt(message[1], message[2])
                     conn.send(("ok", None))
+                elif kind == "prompt_cached":
+                    assert engine is not None
+                    conn.send(("ok", engine.prompt_cached(message[1])))
                 elif kind == "close":
                     assert engine is not None
                     engine.close(message[1])

@@ -22,6 +22,7 @@ imports neither unless this engine is chosen.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -85,6 +86,7 @@ class MoshiEngine(Engine):
         sampling: Sampling | None = None,
         seed: int = 0,
         voice_dir: str = "",
+        prompt_cache_mb: int = 1024,
         threads: int = 0,
         cuda_graphs: bool = True,
         attention: str = "live",
@@ -110,6 +112,10 @@ class MoshiEngine(Engine):
         self.seed = seed
         self.voice_dir = voice_dir
         self._voices: dict[str, Any] = {}  # name -> prompts.Voice (prompted families)
+        # Prompts seen, newest last: the ring prefix their prefill left, written into the row
+        # of the next session with the same prompt instead of running it again.
+        self._prompt_cache: collections.OrderedDict[tuple[str, str], list[Any]] = collections.OrderedDict()
+        self.prompt_cache_bytes = prompt_cache_mb * 2**20
         self.threads = threads
         self.cuda_graphs = cuda_graphs
         self.attention = attention
@@ -220,6 +226,7 @@ class MoshiEngine(Engine):
         )
         self.mimi = mimi
         self._no_compile = no_compile if device.type != "cuda" else contextlib.nullcontext
+        self._eager = no_compile  # a prefill's shapes vary: compiled, each new one would compile anew
         self._allocate(self.num_slots)
         log.info(
             "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s",
@@ -354,7 +361,8 @@ class MoshiEngine(Engine):
             attention.kv_repeat, branches=1 if self.cfg_coef == 1.0 else 2,
         )  # fmt: skip
         self._torch.cuda.empty_cache()  # what loading left in torch's cache is free for the ring
-        return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0])
+        fixed = self.prompt_cache_bytes if self.family.prompted else 0
+        return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0], fixed)
 
     def resize(self, num_slots: int) -> None:
         """Rebuild the streaming state for another slot count, keeping the weights (the
@@ -377,6 +385,11 @@ class MoshiEngine(Engine):
             silence = np.zeros((size, self.frame_samples), np.float32)
             for _ in range(self.delay_frames + 3):
                 self.step(everyone, silence)
+        if self.family.prompted:  # the default prompt's prefill: its kernels, and the cache
+            self._prompt_cache.clear()
+            self.open(0, {})
+            self.prompt(0, {})
+            self.close(0)
         self._rows.map.clear()
         self._steps[:] = 0
         self._eoi_at[:] = -1
@@ -405,7 +418,12 @@ class MoshiEngine(Engine):
         if not self.family.prompted:
             super().prompt(slot, params)
         self._unprompted.discard(slot)
-        self._prefill(slot, self._build_prompt(params))
+        self._prefill(slot, self._build_prompt(params), _prompt_key(params))
+
+    def prompt_cached(self, params: dict[str, Any]) -> bool:
+        """Whether ``prompt`` with ``params`` costs a copy, not a forward (the bridge runs
+        at most one forward between two steps)."""
+        return not self.family.prompted or _prompt_key(params) in self._prompt_cache
 
     def _build_prompt(self, params: dict[str, Any]) -> Prompt:
         """The prompt of a session's ``text_prompt`` and ``voice_prompt`` (prompts.py)."""
@@ -427,13 +445,14 @@ class MoshiEngine(Engine):
             raise PromptError("invalid_prompt", message)
         return prompt
 
-    def _prefill(self, slot: int, prompt: Prompt) -> None:
+    def _prefill(self, slot: int, prompt: Prompt, key: tuple[str, str]) -> None:
+        from duplexserve.engine_bridge.moshi.live_lm import ring_prefix, write_ring_prefix
         from duplexserve.engine_bridge.moshi.row_buckets import one_row, streaming_modules
 
         torch = self._torch
         row = int(self._rows.map.row_of[slot])
         lm = self.lm_gen.lm_model
-        with torch.no_grad(), self._no_compile():
+        with torch.no_grad(), self._eager():
             self._rows.views.use(self.num_slots)  # the full states: the row is reset in place
             mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
             mask[row] = True
@@ -441,15 +460,23 @@ class MoshiEngine(Engine):
             self.lm_gen.reset_streaming(mask)
             self._rows.map.reset[row] = False
             n = prompt.frames - 1  # positions the prompt runs through the transformer
-            seq = torch.from_numpy(prompt.tokens[:n].T.copy()).to(self.device)[None]
-            x = lm.text_emb(seq[:, 0])  # LMModel.forward_text's sum, in its order
-            x = sum((lm.emb[k](seq[:, k + lm.audio_offset]) for k in range(1, lm.num_audio_codebooks)),
-                    lm.emb[0](seq[:, lm.audio_offset])) + x  # fmt: skip
-            if prompt.voice_embeddings is not None:
-                x[0, : len(prompt.voice_embeddings)] = prompt.voice_embeddings.to(x)
-            modules = [m for m in streaming_modules(lm.transformer) if m._streaming_state is not None]
-            with one_row(modules, self.num_slots, row):
-                lm.transformer(x)
+            rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
+            cached = self._prompt_cache.get(key)
+            if cached is not None:  # the same prompt left these keys and values before
+                self._prompt_cache.move_to_end(key)
+                write_ring_prefix(rings, row, cached)
+                lm.transformer._streaming_state.offsets[row] = n
+            else:
+                seq = torch.from_numpy(prompt.tokens[:n].T.copy()).to(self.device)[None]
+                x = lm.text_emb(seq[:, 0])  # LMModel.forward_text's sum, in its order
+                x = sum((lm.emb[k](seq[:, k + lm.audio_offset]) for k in range(1, lm.num_audio_codebooks)),
+                        lm.emb[0](seq[:, lm.audio_offset])) + x  # fmt: skip
+                if prompt.voice_embeddings is not None:
+                    x[0, : len(prompt.voice_embeddings)] = prompt.voice_embeddings.to(x)
+                modules = [m for m in streaming_modules(lm.transformer) if m._streaming_state is not None]
+                with one_row(modules, self.num_slots, row):
+                    lm.transformer(x)
+                self._keep_prompt(key, ring_prefix(rings, row, n))
             state = self.lm_gen._streaming_state
             state.offsets[row] = n
             state.cache[row, :, n % state.cache.shape[2]] = torch.from_numpy(prompt.tokens[n]).to(self.device)
@@ -458,6 +485,18 @@ class MoshiEngine(Engine):
         self._lead[slot] = 0  # the prompt's delay is behind it: every step answers
         forced = [row_tokens[1 : 1 + lm.dep_q] for row_tokens in prompt.forced_after]
         self._forced[slot] = [f for f in forced if (f >= 0).any()]
+
+    def _keep_prompt(self, key: tuple[str, str], prefix: list[Any]) -> None:
+        """Cache a prefill's ring prefix, the least recently used ones leaving to stay within
+        ``--prompt-cache-mb`` (counted in the memory plan)."""
+        size = sum(t.numel() * t.element_size() for t in prefix)
+        if size > self.prompt_cache_bytes:
+            return
+        held = sum(t.numel() * t.element_size() for p in self._prompt_cache.values() for t in p)
+        while self._prompt_cache and held + size > self.prompt_cache_bytes:
+            _, old = self._prompt_cache.popitem(last=False)
+            held -= sum(t.numel() * t.element_size() for t in old)
+        self._prompt_cache[key] = prefix
 
     def _hold_back(self, codes: Any, size: int) -> Any:
         """The LM hears each prompted row's user codes one step late (prompts.py)."""
@@ -603,11 +642,16 @@ class MoshiEngine(Engine):
                 self.timings["steps"],
                 1000 * self.timings["step_s"] / self.timings["steps"],
             )
+        self._prompt_cache.clear()
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
         torch = getattr(self, "_torch", None)
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _prompt_key(params: dict[str, Any]) -> tuple[str, str]:
+    return (params.get("text_prompt") or "").strip(), params.get("voice_prompt") or ""
 
 
 def _calibrate_codebooks(mimi: Any) -> None:
@@ -657,6 +701,7 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         ),
         seed=config.moshi_seed,
         voice_dir=config.voice_prompt_dir,
+        prompt_cache_mb=config.prompt_cache_mb,
         threads=config.moshi_threads,
         cuda_graphs=config.moshi_cuda_graphs,
         attention=config.moshi_attention,

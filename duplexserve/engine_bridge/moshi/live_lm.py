@@ -191,6 +191,30 @@ class LiveAttention(StreamingMultiheadAttention):
         return self.out_projs[0](x.transpose(1, 2).reshape(b, t, -1))
 
 
+def ring_prefix(states: list[_MHAState], row: int, n: int) -> list[torch.Tensor]:
+    """A copy of slots ``[0, n)`` of row ``row`` of each layer's ring (and its int8 scales):
+    what a prefill of ``n`` frames left there, to be written into another row."""
+    out = []
+    for state in states:
+        ring = state.kv_cache
+        out.append(ring.cache[:, row, :, :n].clone())
+        if isinstance(ring, QuantRing):
+            out.append(ring.scale[:, row, :, :n].clone())
+    return out
+
+
+def write_ring_prefix(states: list[_MHAState], row: int, prefix: list[torch.Tensor]) -> None:
+    """Write a ``ring_prefix`` into row ``row``: that row holds the same prefill's keys and values."""
+    tensors = iter(prefix)
+    for state in states:
+        ring = state.kv_cache
+        kv = next(tensors)
+        ring.cache[:, row, :, : kv.shape[2]] = kv
+        if isinstance(ring, QuantRing):
+            scale = next(tensors)
+            ring.scale[:, row, :, : scale.shape[2]] = scale
+
+
 def install_live_attention(lm: Any, use_kernel: bool | None = None, kv_dtype: str = "bf16") -> bool:
     """Give ``lm``'s temporal transformer live-prefix attention; False where it cannot apply.
 

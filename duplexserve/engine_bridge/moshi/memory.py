@@ -24,6 +24,7 @@ class MemoryPlan:
     kv_dtype: str
     kv_per_slot: int  # bytes of LM ring per slot
     free: int  # bytes free on the device once the weights are loaded
+    fixed: int = 0  # bytes held whatever the slot count (the prompt cache)
 
     @property
     def per_slot(self) -> int:
@@ -31,17 +32,19 @@ class MemoryPlan:
 
     @property
     def needed(self) -> int:
-        return self.slots * self.per_slot + RESERVE
+        return self.slots * self.per_slot + RESERVE + self.fixed
 
     @property
     def max_slots(self) -> int:
-        return max(0, (self.free - RESERVE) // self.per_slot)
+        return max(0, (self.free - RESERVE - self.fixed) // self.per_slot)
 
     def describe(self) -> str:
         return (
             f"{self.slots} slots x {self.per_slot / GIB:.2f} GiB ({self.kv_dtype} KV ring "
             f"{self.kv_per_slot / GIB:.2f} GiB + {OTHER_PER_SLOT / 2**20:.0f} MiB other) + "
-            f"{RESERVE / GIB:.0f} GiB reserve = {self.needed / GIB:.1f} GiB "
+            f"{RESERVE / GIB:.0f} GiB reserve"
+            + (f" + {self.fixed / GIB:.2f} GiB prompt cache" if self.fixed else "")
+            + f" = {self.needed / GIB:.1f} GiB "
             f"of {self.free / GIB:.1f} GiB free; at most {self.max_slots} slots fit"
         )
 
