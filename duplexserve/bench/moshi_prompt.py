@@ -3,10 +3,11 @@
 A prompt is run between two steps on the engine thread (one forward of its frames for
 the session's row, ``engine.prompt``), so what it costs is added to the next step of
 every live session. This measures, on a prompted preset with random weights: the step
-time of ``--live`` sessions, the prefill time of a prompt of ``--text-tokens`` text
-tokens and a ``.pt`` voice of ``--voice-frames`` frames, and a step that follows a
-prefill. ``--assets DIR`` also leaves the tokenizer and voice it made there, for a
-server run (``--moshi-tokenizer DIR/spm.model --voice-prompt-dir DIR``).
+time of ``--live`` sessions; the prefill of a prompt of ``--text-tokens`` text tokens
+and a ``.pt`` voice of ``--voice-frames`` frames, each one new (a forward); the same
+prompts again (a copy of the cached keys and values); and a step that follows each.
+``--assets DIR`` also leaves the tokenizer and voice it made there, for a server run
+(``--moshi-tokenizer DIR/spm.model --voice-prompt-dir DIR``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def main(args: argparse.Namespace) -> None:
     print(f"built {args.preset} in {time.perf_counter() - t:.1f} s", flush=True)
     torch = engine._torch
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    params = {"text_prompt": text_of(engine.tokenizer, args.text_tokens), "voice_prompt": voice}
+    text = text_of(engine.tokenizer, args.text_tokens - 2)
+    prompts = [{"text_prompt": f"{text} {WORDS[i % len(WORDS)]} {i}", "voice_prompt": voice}
+               for i in range(args.prompts)]  # fmt: skip
+    params = prompts[0]
     frames_of = engine._build_prompt(params).frames
     rng = np.random.default_rng(0)
     rows = []
@@ -99,23 +103,28 @@ def main(args: argparse.Namespace) -> None:
         for _ in range(5):
             engine.step(slots, frames)
         sync()
-        alone, prefill, after = [], [], []
+        alone = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step(slots, frames)
             alone.append(time.perf_counter() - t0)
-        for i in range(args.prompts):  # a session ends and a new one takes its slot with the prompt
+        timed = {"new": ([], []), "seen": ([], [])}
+        engine._prompt_cache.clear()
+        for i, prompt in enumerate(prompts * 2):  # a session ends, a new one takes its slot with a prompt
             slot = i % live
             engine.close(slot)
             engine.open(slot, {})
+            cost, after = timed["seen" if engine.prompt_cached(prompt) else "new"]
             sync()
             t0 = time.perf_counter()
-            engine.prompt(slot, params)
+            engine.prompt(slot, prompt)
             sync()
             t1 = time.perf_counter()
             engine.step(slots, frames)
-            prefill.append(t1 - t0)
+            cost.append(t1 - t0)
             after.append(time.perf_counter() - t1)
+        prefill, after = timed["new"]
+        copy, after_copy = timed["seen"]
         for slot in slots.tolist():
             engine.close(slot)
         row = {
@@ -127,6 +136,10 @@ def main(args: argparse.Namespace) -> None:
             "prefill_ms_max": 1000 * max(prefill),
             "step_after_prefill_ms_p50": 1000 * float(np.median(after)),
             "prefill_plus_step_ms_max": 1000 * max(p + a for p, a in zip(prefill, after, strict=True)),
+            # nan where the cache (--prompt-cache-mb) held too few of them to see one again
+            "cached_ms_p50": 1000 * float(np.median(copy)) if copy else float("nan"),
+            "cached_ms_max": 1000 * max(copy, default=float("nan")),
+            "step_after_cached_ms_p50": 1000 * float(np.median(after_copy)) if copy else float("nan"),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -139,11 +152,12 @@ def main(args: argparse.Namespace) -> None:
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    head = ("live", "prompt", "step p50", "prefill p50", "max", "step after", "sum max")
+    head = ("live", "prompt", "step p50", "prefill p50", "max", "step after", "sum max", "cached p50", "max")
     print("".join(f"{h:>12}" for h in head))
     for r in rows:
         cells = [r["live"], r["prompt_frames"], r["step_ms_p50"], r["prefill_ms_p50"], r["prefill_ms_max"],
-                 r["step_after_prefill_ms_p50"], r["prefill_plus_step_ms_max"]]  # fmt: skip
+                 r["step_after_prefill_ms_p50"], r["prefill_plus_step_ms_max"], r["cached_ms_p50"],
+                 r["cached_ms_max"]]  # fmt: skip
         print("".join(f"{c:>12}" if isinstance(c, int) else f"{c:>10.1f}ms" for c in cells))
 
 
@@ -153,7 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-tokens", type=int, default=200)
     p.add_argument("--voice-frames", type=int, default=100, help="frames of the .pt voice (8 s)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--prompts", type=int, default=20, help="sessions replaced with the prompt per row")
+    p.add_argument(
+        "--prompts", type=int, default=8, help="new prompts per row, then each again (what the cache holds)"
+    )
     p.add_argument("--kv-dtype", default="int8", choices=("bf16", "int8"))
     p.add_argument("--device", default="auto")
     p.add_argument("--assets", default="", help="leave the tokenizer and the voice here")
