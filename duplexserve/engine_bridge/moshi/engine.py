@@ -239,6 +239,7 @@ class MoshiEngine(Engine):
 
     def _allocate(self, b: int) -> None:
         """Streaming state for ``b`` slots, host/device buffers, then warm-up (graph capture)."""
+        from duplexserve.engine_bridge.moshi.prefill import Prefill
         from duplexserve.engine_bridge.moshi.row_buckets import (
             GraphPool,
             RowBuckets,
@@ -285,6 +286,8 @@ class MoshiEngine(Engine):
             self._unprompted: set[int] = set()  # opened, no prompt yet: the default runs first
             self._forcing: tuple[Any, Any] | None = None
             self._rows.views.tensors += [(self._held, 0), (self._lagged, 0)]  # moved with their rows
+            with torch.no_grad(), self._eager():
+                self._prefill_runner = Prefill(lm, graphs=self.cuda_graphs)
         graphed = self.cuda_graphs and self.device.type == "cuda"
         whole = graphed and self.mimi_graph == "whole"
         pools = (GraphPool(), GraphPool())  # encode's graphs, decode's: each shared by the buckets
@@ -361,7 +364,7 @@ class MoshiEngine(Engine):
             attention.kv_repeat, branches=1 if self.cfg_coef == 1.0 else 2,
         )  # fmt: skip
         self._torch.cuda.empty_cache()  # what loading left in torch's cache is free for the ring
-        fixed = self.prompt_cache_bytes if self.family.prompted else 0
+        fixed = self.prompt_cache_bytes + kv if self.family.prompted else 0  # and the prefill's row
         return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0], fixed)
 
     def resize(self, num_slots: int) -> None:
@@ -372,6 +375,7 @@ class MoshiEngine(Engine):
         for module in (self.mimi, self.lm_gen, self.lm_gen.lm_model):
             module._stop_streaming()
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
+        self._prefill_runner = None
         gc.collect()  # the old states and their CUDA graphs hold memory until collected
         if self.device.type == "cuda":
             self._torch.cuda.empty_cache()
@@ -446,8 +450,7 @@ class MoshiEngine(Engine):
         return prompt
 
     def _prefill(self, slot: int, prompt: Prompt, key: tuple[str, str]) -> None:
-        from duplexserve.engine_bridge.moshi.live_lm import ring_prefix, write_ring_prefix
-        from duplexserve.engine_bridge.moshi.row_buckets import one_row, streaming_modules
+        from duplexserve.engine_bridge.moshi.live_lm import write_ring_prefix
 
         torch = self._torch
         row = int(self._rows.map.row_of[slot])
@@ -461,11 +464,9 @@ class MoshiEngine(Engine):
             self._rows.map.reset[row] = False
             n = prompt.frames - 1  # positions the prompt runs through the transformer
             rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
-            cached = self._prompt_cache.get(key)
-            if cached is not None:  # the same prompt left these keys and values before
+            prefix = self._prompt_cache.get(key)
+            if prefix is not None:  # the same prompt left these keys and values before
                 self._prompt_cache.move_to_end(key)
-                write_ring_prefix(rings, row, cached)
-                lm.transformer._streaming_state.offsets[row] = n
             else:
                 seq = torch.from_numpy(prompt.tokens[:n].T.copy()).to(self.device)[None]
                 x = lm.text_emb(seq[:, 0])  # LMModel.forward_text's sum, in its order
@@ -473,10 +474,10 @@ class MoshiEngine(Engine):
                         lm.emb[0](seq[:, lm.audio_offset])) + x  # fmt: skip
                 if prompt.voice_embeddings is not None:
                     x[0, : len(prompt.voice_embeddings)] = prompt.voice_embeddings.to(x)
-                modules = [m for m in streaming_modules(lm.transformer) if m._streaming_state is not None]
-                with one_row(modules, self.num_slots, row):
-                    lm.transformer(x)
-                self._keep_prompt(key, ring_prefix(rings, row, n))
+                prefix = self._prefill_runner.run(x)  # on a scratch row (prefill.py)
+                self._keep_prompt(key, prefix)
+            write_ring_prefix(rings, row, prefix)
+            lm.transformer._streaming_state.offsets[row] = n
             state = self.lm_gen._streaming_state
             state.offsets[row] = n
             state.cache[row, :, n % state.cache.shape[2]] = torch.from_numpy(prompt.tokens[n]).to(self.device)
@@ -643,6 +644,7 @@ class MoshiEngine(Engine):
                 1000 * self.timings["step_s"] / self.timings["steps"],
             )
         self._prompt_cache.clear()
+        self._prefill_runner = None
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
         torch = getattr(self, "_torch", None)

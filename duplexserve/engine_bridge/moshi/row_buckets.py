@@ -279,32 +279,6 @@ def _view(state: Any, rows: int, size: int) -> Any:
     return view
 
 
-@contextlib.contextmanager
-def one_row(modules: Sequence[StreamingModule], rows: int, row: int) -> Iterator[None]:
-    """``modules`` (their full states, ``rows`` rows) stepping row ``row`` alone, as a batch
-    of one: a prompt's prefill runs one session's frames through the LM this way."""
-    saved = [m._streaming_state for m in modules]
-    try:
-        for module, state in zip(modules, saved, strict=True):
-            if state is not None:
-                module._streaming_state = _row_view(state, rows, row)
-        yield
-    finally:
-        for module, state in zip(modules, saved, strict=True):
-            module._streaming_state = state
-
-
-def _row_view(state: Any, rows: int, row: int) -> Any:
-    view = copy.copy(state)
-    view.batch_size = 1
-    view.exec_mask = torch.ones(1, dtype=torch.bool, device=state.exec_mask.device)
-    if _ring(state) is not None:
-        view.kv_cache = copy.copy(state.kv_cache)
-    for owner, name, tensor, axis in list(_per_row(view, rows)):
-        _set(owner, name, tensor.narrow(axis, row, 1))
-    return view
-
-
 def _library_class(state: Any) -> type:
     cls = getattr(type(state), "_library_class", type(state))
     if cls not in _FIELDS:
