@@ -270,6 +270,10 @@ class ServerConfig:
         3, "WebRTC: the jitter buffer's depth in 20 ms packets: how long the model's clock runs behind the "
         "first packet, so that packets this much late or early are still played in order"
     )
+    webrtc_packet_ms: int = _opt(
+        80, "WebRTC: the Opus packets the server sends, 20, 40 or 80 ms (one model frame: a quarter of the "
+        "per-packet work of 20 ms); a peer's a=maxptime lowers it"
+    )
     webrtc_output_fec: bool = _opt(
         False, "WebRTC: in-band FEC in the Opus the server sends (browsers rebuild lost packets from it; "
         "costs up to 4x the encoding CPU)"
@@ -375,6 +379,8 @@ class ServerConfig:
             raise ValueError("opus_complexity must be 0..10")
         if not 0 <= self.codec_batch_ms <= 20:
             raise ValueError("codec_batch_ms must be 0..20")
+        if self.webrtc_packet_ms not in (20, 40, 80):
+            raise ValueError("webrtc_packet_ms must be 20, 40 or 80")
         if not 1 <= self.webrtc_jitter_frames <= 50:
             raise ValueError("webrtc_jitter_frames must be 1..50 (20 ms packets)")
 

@@ -1,24 +1,35 @@
 """The talk page at / in a real browser: Debian's headless Chromium, driven by Playwright,
 with a fake microphone fed from a WAV file made here. The echo engine sends the microphone
-back, so audio that reaches the page proves the whole path: AudioWorklet capture, 80 ms
-frames over duplex/1, the server, and the jitter buffer's playback side.
+back, so audio that reaches the page proves the whole path: over the WebSocket, AudioWorklet
+capture, 80 ms frames over duplex/1, the server, and the jitter buffer's playback side; over
+WebRTC (the page's default), Chromium's own Opus tracks and the Realtime events on the
+``oai-events`` data channel, and what the page hears lines up with what it sent.
+
+WebRTC stays on loopback: the server and Chromium run in a network namespace of the test's
+own whose only interface is ``lo`` (tests/netns.py), Chromium's host candidates are not
+hidden behind mDNS names and include loopback, and the server offers 127.0.0.1
+(``--ice-host-addresses``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import shutil
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 import pytest
 import websockets.asyncio.client
+
+from tests.netns import loopback_only
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
@@ -61,7 +72,7 @@ def test_page_and_assets_are_served(echo_server) -> None:
 
 
 @contextlib.contextmanager
-def chromium_with_fake_mic(tmp_path: Path) -> Iterator[Browser]:
+def chromium_with_fake_mic(tmp_path: Path, *extra: str) -> Iterator[Browser]:
     """Headless Chromium whose microphone plays a WAV file, permission granted."""
     from playwright.sync_api import sync_playwright
 
@@ -79,6 +90,7 @@ def chromium_with_fake_mic(tmp_path: Path) -> Iterator[Browser]:
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-sync",
+        *extra,
     ]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
@@ -96,7 +108,7 @@ def test_talk_page_round_trip_in_chromium(server_factory, tmp_path) -> None:
         logs: list[str] = []
         page.on("console", lambda m: logs.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: logs.append(f"pageerror: {e}"))
-        page.goto(server.http + "/")
+        page.goto(server.http + "/?transport=websocket")
         page.click("#talk")
         try:
             page.wait_for_function(
@@ -108,7 +120,7 @@ def test_talk_page_round_trip_in_chromium(server_factory, tmp_path) -> None:
             pytest.fail(f"no audio back: {page.evaluate('window.duplexStats')}\n" + "\n".join(logs))
         live = page.evaluate("window.duplexStats")
         assert live["state"] == "live" and live["error"] is None, live
-        assert live["engine"] == "synthetic"
+        assert live["transport"] == "websocket" and live["engine"] == "synthetic"
         # The echo engine's answer is the microphone itself: audio, not silence.
         assert live["maxOutputPeak"] > 0.01, live
         assert live["rttMs"] is not None and live["rttMs"] >= 0
@@ -145,10 +157,112 @@ def test_talk_page_says_why_a_full_server_refused(server_factory, tmp_path) -> N
     def check_page() -> None:
         with chromium_with_fake_mic(tmp_path) as browser:
             page = browser.new_page()
-            page.goto(server.http + "/")
+            page.goto(server.http + "/?transport=websocket")
             page.click("#talk")
             page.wait_for_selector("#error:not([hidden])", timeout=15_000)
             assert page.inner_text("#error") == "the server is full, try again later"
             assert page.evaluate("window.duplexStats.state") == "idle"
 
     asyncio.run(hold_the_only_slot())
+
+
+# ---------------------------------------------------------------------------- WebRTC
+#: Chromium's host candidates as addresses (not mDNS names), loopback included.
+LOOPBACK_ICE = ("--disable-features=WebRtcHideLocalIpsWithMdns", "--allow-loopback-in-peer-connection")
+
+
+def best_lag(sent: np.ndarray, heard: np.ndarray, max_lag: int) -> tuple[int, float]:
+    """The lag (samples) at which ``heard`` matches ``sent`` best, and the normalized
+    correlation there."""
+    n = len(sent)
+    best = (0, -1.0)
+    for lag in range(0, min(max_lag, len(heard) - n)):
+        seg = heard[lag : lag + n]
+        c = float(np.dot(seg, sent) / (np.linalg.norm(seg) * np.linalg.norm(sent) + 1e-12))
+        if c > best[1]:
+            best = (lag, c)
+    return best
+
+
+def _floats(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.float32)
+
+
+@needs_chromium
+def test_talk_page_calls_over_webrtc_and_hears_what_it_sent(server_factory, tmp_path) -> None:
+    pytest.importorskip("aiortc")
+    with loopback_only():
+        server = server_factory("--max-sessions", "4", "--ice-host-addresses", "127.0.0.1")
+        call_in_chromium(server, tmp_path)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "duplexserve_webrtc_calls_active 0.0" not in metrics(server):
+            time.sleep(0.2)
+        text = metrics(server)
+    assert "duplexserve_webrtc_calls_active 0.0" in text  # the server ended the session
+    assert 'duplexserve_webrtc_calls_total{outcome="answered",protocol="webrtc"} 1.0' in text
+
+
+def call_in_chromium(server: Any, tmp_path: Path) -> None:
+    with chromium_with_fake_mic(tmp_path, *LOOPBACK_ICE) as browser:
+        page = browser.new_page()
+        logs: list[str] = []
+        page.on("console", lambda m: logs.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: logs.append(f"pageerror: {e}"))
+        page.goto(server.http + "/")
+        assert page.input_value("#transport") == "auto"  # WebRTC first, by default
+        page.click("#talk")
+        try:
+            page.wait_for_function(
+                "s => s.transport === 'webrtc' && s.framesSent >= 90 && s.textDeltas >= 4 && s.iceRemote",
+                arg=page.evaluate_handle("window.duplexStats"),
+                timeout=40_000,
+            )
+        except Exception:
+            pytest.fail(f"no call: {page.evaluate('window.duplexStats')}\n" + "\n".join(logs))
+        live = page.evaluate("window.duplexStats")
+        assert live["state"] == "live" and live["error"] is None, live
+        assert live["iceRemote"].startswith("127.0.0.1:"), live  # the only candidate the server has
+        assert live["iceLocal"].startswith("127.0.0.1:"), live  # the only address in the namespace
+        assert live["maxOutputPeak"] > 0.01, live
+        transcript = page.inner_text("#transcript")
+        assert sum(word in transcript for word in WORDS) >= 3, transcript
+
+        # What the page heard is what it sent, some 100-300 ms later (one audio clock: both
+        # recorded by the page's own graph): two Opus passes and two jitter buffers apart.
+        recording = page.evaluate("window.duplexRecording()")
+        sent, heard = _floats(recording["sent"]), _floats(recording["heard"])
+        start = 2 * 24000  # past the first answer's start
+        lag, corr = best_lag(sent[start : start + 2 * 24000], heard[start:], 24000)
+        print(f"heard = sent {1000 * lag / 24000:.0f} ms later, correlation {corr:.3f}")
+        assert corr > 0.7 and lag > 0, (lag, corr, live)
+
+        page.click("#talk")  # hang up
+        page.wait_for_function(
+            "s => s.state === 'idle' && s.closeReason !== null",
+            arg=page.evaluate_handle("window.duplexStats"),
+            timeout=15_000,
+        )
+        assert page.evaluate("window.duplexStats.closeReason") == "hung up"
+
+
+def metrics(server: Any) -> str:
+    return httpx.get(server.http + "/metrics", timeout=5).text
+
+
+@needs_chromium
+def test_talk_page_falls_back_to_the_websocket_where_webrtc_is_not_served(server_factory, tmp_path) -> None:
+    server = server_factory("--max-sessions", "4")
+    with chromium_with_fake_mic(tmp_path) as browser:
+        page = browser.new_page()
+        # A server without the webrtc extra answers 501; the page goes on over the WebSocket.
+        page.route("**/v1/realtime/calls", lambda route: route.fulfill(
+            status=501, content_type="application/json",
+            body='{"error": {"code": "webrtc_unavailable", "message": "no aiortc"}}'))  # fmt: skip
+        page.goto(server.http + "/")
+        page.click("#talk")
+        page.wait_for_function(
+            "s => s.transport === 'websocket' && s.framesReceived >= 10",
+            arg=page.evaluate_handle("window.duplexStats"),
+            timeout=30_000,
+        )
+        assert page.evaluate("window.duplexStats.error") is None

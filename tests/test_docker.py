@@ -25,12 +25,16 @@ COMPOSE = shutil.which("docker-compose")
 HADOLINT = shutil.which("hadolint", path=os.pathsep.join([str(Path(sys.executable).parent), os.defpath]))
 
 
-def compose_config(*profiles: str, env: dict[str, str] | None = None, cpu: bool = False) -> dict[str, Any]:
+def compose_config(
+    *profiles: str, env: dict[str, str] | None = None, cpu: bool = False, turn: bool = False
+) -> dict[str, Any]:
     if COMPOSE is None:
         pytest.skip("docker-compose not installed (Debian package docker-compose)")
     args = [COMPOSE, "-f", str(DOCKER / "compose.yaml")]
     if cpu:
         args += ["-f", str(DOCKER / "compose.cpu.yaml")]
+    if turn:
+        args += ["-f", str(DOCKER / "compose.turn.yaml")]
     for profile in profiles:
         args += ["--profile", profile]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXSERVE_", "COMPOSE_", "HF_"))}
@@ -138,7 +142,37 @@ def test_compose_cpu_override_runs_the_cpu_image_without_a_gpu() -> None:
     assert services["loadgen"]["build"]["dockerfile"] == "docker/Dockerfile"
 
 
-DOCKERFILES = ["Dockerfile", "Dockerfile.gpu", "nginx/Dockerfile"]
+def test_compose_turn_override_adds_coturn_and_gives_the_servers_its_relay() -> None:
+    from duplexserve.server.webrtc_peer import parse_ice_servers, stun_for_browsers
+
+    env = {"DUPLEXSERVE_TURN_HOST": "203.0.113.7", "DUPLEXSERVE_TURN_PASSWORD": "s3cret"}
+    services = compose_config("scale", env=env, cpu=True, turn=True)["services"]
+    turn = services["turn"]
+    assert (DOCKER / "coturn").samefile(turn["build"]["context"]) and turn["network_mode"] == "host"
+    flags = turn["command"]
+    assert "--external-ip=203.0.113.7" in flags and "--user=duplexserve:s3cret" in flags
+    assert "--lt-cred-mech" in flags and "--listening-port=3478" in flags
+    for name in ("duplexserve", "duplexserve-1"):
+        server = services[name]
+        assert server["build"]["args"]["EXTRAS"] == "webrtc"  # aiortc in the image
+        servers = parse_ice_servers(server["environment"]["DUPLEXSERVE_ICE_SERVERS"])
+        relay = {"urls": "turn:203.0.113.7:3478", "username": "duplexserve", "credential": "s3cret"}
+        assert servers == [relay]
+        # What the talk page is told: coturn as STUN, never the credential.
+        assert stun_for_browsers(servers) == [{"urls": ["stun:203.0.113.7:3478"]}]
+    assert services["duplexserve"]["depends_on"]["turn"]["condition"] == "service_healthy"
+    # Without the password (or the address) compose refuses to start anything.
+    if COMPOSE is not None:
+        out = subprocess.run(
+            [COMPOSE, "-f", str(DOCKER / "compose.yaml"), "-f", str(DOCKER / "compose.turn.yaml"), "config"],
+            capture_output=True, text=True, cwd=DOCKER, check=False,
+            env={k: v for k, v in os.environ.items() if not k.startswith("DUPLEXSERVE_")},
+        )  # fmt: skip
+        assert out.returncode != 0 and "DUPLEXSERVE_TURN" in out.stderr
+
+
+DOCKERFILES = ["Dockerfile", "Dockerfile.gpu", "nginx/Dockerfile", "coturn/Dockerfile"]
+USERS = {"nginx/": "33", "coturn/": "10002"}  # nginx: Debian's www-data; else the server's 10001
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
@@ -151,7 +185,7 @@ def test_dockerfile_lint(dockerfile: str) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = (DOCKER / dockerfile).read_text()
-    user = "33" if dockerfile.startswith("nginx/") else "10001"  # nginx: Debian's www-data
+    user = next((u for prefix, u in USERS.items() if dockerfile.startswith(prefix)), "10001")
     assert f"\nUSER {user}\n" in text and "\nHEALTHCHECK " in text and "health" in text
 
 

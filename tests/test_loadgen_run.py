@@ -146,3 +146,21 @@ def test_a_count_only_run_passes_its_guards_and_leaves_the_tail_out(server_facto
     result = run_load(_spec(server.ws(), expect="none", sessions=2, concurrency=2))
     assert result.guards_ok, result.failures
     assert result.summary()["frames"] == 2 * 12
+
+
+def test_arrivals_turn_the_sessions_over_at_the_rate_and_time_to_ready_is_reported(echo_server):
+    """--arrivals-per-s: 4 live sessions, 8 joining a second: each joiner lives 4 / 8 s (6
+    frames), the first one of slot k (k + 1) / 8 s (2, 3, 5, 6 frames), so they end one
+    after another."""
+    result = run_load(_spec(echo_server.ws(), concurrency=4, sessions=10, arrivals_per_s=8.0, message_ms=80))
+    assert result.guards_ok, result.failures
+    first = sorted(s.frames_sent for s in result.sessions if not s.joined)
+    assert first == [2, 3, 5, 6] and [s.frames_sent for s in result.sessions if s.joined] == [6] * 6
+    summary = result.summary()
+    assert 0 < summary["ready_p50_ms"] <= summary["ready_p99_ms"] <= summary["ready_max_ms"]
+    assert 0 < summary["ready_joining_p50_ms"] <= summary["ready_joining_max_ms"]
+    assert "+8/s" in result.label
+    with pytest.raises(ValueError, match="paced"):
+        _spec(echo_server.ws(), arrivals_per_s=1.0, paced=False).validate()
+    with pytest.raises(ValueError, match="no prompt"):
+        _spec(echo_server.ws(), protocol="twilio", text_prompt="be brief").validate()

@@ -22,7 +22,8 @@ import pytest
 
 pytest.importorskip("aiortc")
 
-from tests.webrtc_client import Peer, best_lag, impair
+from duplexserve.loadgen.drivers.webrtc import impair
+from tests.webrtc_client import Peer, best_lag
 
 KEY = "sk-test-webrtc"
 LOOPBACK = ("--ice-host-addresses", "127.0.0.1")

@@ -3,8 +3,8 @@
 It offers one Opus audio track (a signal encoded by libopus, paced in real time, 20 ms
 packets) and the ``oai-events`` data channel, collects the server's events, and hears
 the server's audio through aiortc's own receiver (PyAV's decoder at 48 kHz), as any
-aiortc application would. Loss and jitter are made at the RTP transport: a dropped
-packet leaves a gap in the sequence numbers, a delayed one may overtake others.
+aiortc application would. Loss and jitter are made at the RTP transport by the load
+generator's ``impair`` (duplexserve/loadgen/drivers/webrtc.py).
 
 ICE stays on loopback: the server and this peer offer only 127.0.0.1 as host candidate
 (``restrict_host_addresses``) and no STUN server is ever asked.
@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import fractions
 import json
-import random
 from typing import Any
 
 import av
@@ -64,35 +63,6 @@ class SignalTrack(MediaStreamTrack):
         packet.pts, packet.time_base = self.sent * 960, _TIME_BASE
         self.sent += 1
         return packet
-
-
-def impair(sender: Any, loss: float, jitter_ms: float, seed: int = 0) -> dict[str, int]:
-    """Drop ``loss`` of the RTP packets ``sender`` sends and delay each by 0 to
-    ``jitter_ms`` (so they may arrive out of order); returns the live counts."""
-    rng = random.Random(seed)
-    transport = sender.transport
-    original = transport._send_rtp
-    counts = {"sent": 0, "dropped": 0}
-    loop = asyncio.get_running_loop()
-
-    async def send(data: bytes) -> None:
-        counts["sent"] += 1
-        if rng.random() < loss:
-            counts["dropped"] += 1
-            return
-        delay = rng.uniform(0, jitter_ms / 1000) if jitter_ms else 0
-        if delay:
-            loop.call_later(delay, lambda: asyncio.ensure_future(_quiet(original(data))))
-        else:
-            await original(data)
-
-    transport._send_rtp = send
-    return counts
-
-
-async def _quiet(coro: Any) -> None:
-    with contextlib.suppress(Exception):
-        await coro
 
 
 class Peer:

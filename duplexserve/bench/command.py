@@ -66,6 +66,9 @@ BENCHMARKS = {
         "turnaround_cost", "the per-frame CPU of the deadline and replay bookkeeping"
     ),
     "soak": Benchmark("soak", "sessions come and go for a set time; leaks and losses counted"),
+    "webrtc-cost": Benchmark(
+        "webrtc_cost", "WebRTC calls against the WebSocket Opus path: server CPU a frame, real time held"
+    ),
     "bridge-cost": Benchmark("bridge_cost", "the engine thread's own CPU a step and a frame, no sockets"),
 }
 

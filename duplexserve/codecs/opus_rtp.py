@@ -159,14 +159,15 @@ class RtpOpusEncoder:
         if rc != OPUS_OK:
             raise RuntimeError(f"opus_encoder_ctl({request}, {value}) failed ({rc})")
 
-    def encode(self, pcm: np.ndarray) -> list[bytes]:
-        """A whole number of 20 ms packets of float32 samples -> that many packets."""
+    def encode(self, pcm: np.ndarray, packet: int = PACKET_SAMPLES) -> list[bytes]:
+        """A whole number of packets of ``packet`` float32 samples (20 ms; 40, 60 or 80 ms
+        where the peer takes them) -> that many packets."""
         x = np.ascontiguousarray(pcm, dtype=np.float32)
-        if len(x) % PACKET_SAMPLES:
-            raise ValueError(f"{len(x)} samples is not a whole number of {PACKET_MS} ms packets")
+        if len(x) % packet:
+            raise ValueError(f"{len(x)} samples is not a whole number of {packet}-sample packets")
         address, out, encode = x.ctypes.data, [], self._lib.opus_encode_float
-        for k in range(len(x) // PACKET_SAMPLES):
-            n = encode(self._st, address + 4 * PACKET_SAMPLES * k, PACKET_SAMPLES, self._buf, _MAX_BYTES)
+        for k in range(len(x) // packet):
+            n = encode(self._st, address + 4 * packet * k, packet, self._buf, _MAX_BYTES)
             if n < 0:
                 raise RuntimeError(f"opus_encode_float failed ({n})")
             out.append(ctypes.string_at(self._buf, n))

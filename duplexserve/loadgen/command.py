@@ -58,6 +58,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-every", type=float, default=0.0,
                    help="native: cut each session's TCP connection at random moments about this often "
                         "(seconds), resume it and go on; guards check every frame came once, in order")
+    p.add_argument("--text-prompt", default="",
+                   help="every session's text prompt (PersonaPlex's persona; Realtime: its instructions)")
+    p.add_argument("--voice-prompt", default="",
+                   help="every session's voice prompt, a name the server lists at GET /v1/voices (NATF2.pt)")
+    p.add_argument("--arrivals-per-s", type=float, default=0.0,
+                   help="paced: sessions joining a second, each replacing one that ends, the concurrency "
+                        "staying live (session lengths follow from it; --frames/--seconds are ignored)")
+    p.add_argument("--loss", type=float, default=0.0,
+                   help="webrtc: share of the RTP packets sent that this side drops (0.05: 5%%; "
+                        "needs --expect none, the server's concealment is not predictable)")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="webrtc: hold each RTP packet sent 0 to this long, so packets overtake each other")
+    p.add_argument("--opus-complexity", type=int, default=5,
+                   help="webrtc: the server's --opus-complexity (its answers are replayed with it)")
+    p.add_argument("--webrtc-output-fec", action="store_true",
+                   help="webrtc: the server runs with --webrtc-output-fec (its answers are replayed with it)")
+    p.add_argument("--webrtc-packet-ms", type=int, default=80, choices=(20, 40, 80),
+                   help="webrtc: the Opus packets asked of the server (the offer's a=maxptime; not above "
+                        "the server's own --webrtc-packet-ms)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plots", help="write PNG plots into this folder")
     p.add_argument("--no-progress", action="store_true", help="no live display")
@@ -89,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, processes=args.processes, ramp_s=args.ramp_s, expect=args.expect,
             delay_frames=args.delay_frames, playback_buffer_frames=args.playback_buffer_frames,
             timeout_s=args.timeout_s, scrape_metrics=not args.no_metrics, drop_every=args.drop_every,
+            text_prompt=args.text_prompt, voice_prompt=args.voice_prompt, arrivals_per_s=args.arrivals_per_s,
+            loss=args.loss, jitter_ms=args.jitter_ms, opus_complexity=args.opus_complexity,
+            opus_output_fec=args.webrtc_output_fec, webrtc_packet_ms=args.webrtc_packet_ms,
         )
         try:
             spec.validate()

@@ -41,6 +41,8 @@ class SessionResult:
     closed_reason: str
     guards: GuardReport = field(default_factory=GuardReport)
     resumes: int = 0  # --drop-every: connections cut and resumed
+    ready_s: float = math.nan  # connect to the protocol's go-ahead (session.created, handshake)
+    joined: bool = False  # took the place of a session that ended (not the first of its slot)
     replayed: int = 0  # output frames the server sent again after a resume
     frames_lost: int = 0  # output frames no longer kept at a resume (a guard failure)
 
@@ -63,6 +65,8 @@ class SessionRecorder:
         self.close_code: int | None = None
         self.done_callback: Any = None
         self.resumes = self.replayed = self.frames_lost = 0
+        self.ready_s = math.nan
+        self.joined = False
         width = SAMPLE_BYTES.get(output.format)
         self._frame_bytes = width * output.frame_samples if width else 0
         self._recent = recent  # shared by a worker: round trips for the live p99
@@ -167,4 +171,6 @@ class SessionRecorder:
             resumes=self.resumes,
             replayed=self.replayed,
             frames_lost=self.frames_lost,
+            ready_s=self.ready_s,
+            joined=self.joined,
         )

@@ -79,7 +79,7 @@ def summary_table(results: list[RunResult]) -> Table:
     """One row per run: guards, RTF, round trip, lateness, server and client cost."""
     table = Table(title="loadgen summary", show_lines=False)
     columns = (
-        "run", "guards", "sessions", "frames", "RTF min/med/max", "rt p50/p99/max ms",
+        "run", "guards", "sessions", "frames", "RTF min/med/max", "ready p50/p99/max ms", "rt p50/p99/max ms",
         "late p99 ms", "underruns", "srv us/frame", "vcsw/frame", "exec/frame", "wall us/frame",
     )
     for c in columns:
@@ -87,12 +87,14 @@ def summary_table(results: list[RunResult]) -> Table:
     for r in results:
         s = r.summary()
         server = s.get("server") or {}
+        ready = "ready_joining" if r.config.get("arrivals_per_s") else "ready"  # joining: after the ramp
         table.add_row(
             r.label,
             "[green]ok[/]" if s["guards_ok"] else f"[red]FAIL {s['failed_sessions']}[/]",
             str(s["sessions"]),
             str(s["frames"]),
             f"{_fmt(s['rtf_min'], 3)}/{_fmt(s['rtf_median'], 3)}/{_fmt(s['rtf_max'], 3)}",
+            "/".join(_fmt(s[f"{ready}_{q}_ms"], 1) for q in ("p50", "p99", "max")),
             f"{_fmt(s['rt_p50_ms'], 1)}/{_fmt(s['rt_p99_ms'], 1)}/{_fmt(s['rt_max_ms'], 1)}",
             _fmt(s["lateness_p99_ms"], 1),
             str(s["underruns"]),

@@ -128,6 +128,17 @@ class RunResult:
             "underruns": metrics.underruns(late, playback_buffer_frames),
         }
 
+    def ready(self, joined_only: bool = False) -> dict[str, float]:
+        """Time to ready (connect to session.created or the handshake, the prompt run), over
+        every session or those that joined in the place of one that ended."""
+        ready = np.array([s.ready_s for s in self.sessions if not joined_only or s.joined], np.float64)
+        ready = ready[~np.isnan(ready)]
+        return {
+            "p50_ms": 1e3 * metrics.percentile(ready, 50),
+            "p99_ms": 1e3 * metrics.percentile(ready, 99),
+            "max_ms": 1e3 * float(ready.max()) if len(ready) else math.nan,
+        }
+
     def summary(self) -> dict[str, Any]:
         rt = self.round_trips()
         rtfs = np.array([s.rtf for s in self.sessions], dtype=np.float64)
@@ -160,6 +171,8 @@ class RunResult:
             "frames_replayed": sum(s.replayed for s in self.sessions),
             "frames_lost": sum(s.frames_lost for s in self.sessions),
         }
+        for prefix, joined_only in (("ready", False), ("ready_joining", True)):
+            out.update({f"{prefix}_{key}": value for key, value in self.ready(joined_only).items()})
         if self.server is not None:
             out["server"] = self.server.as_dict()
         out["client"] = self.client.as_dict()
@@ -181,6 +194,7 @@ class RunResult:
                     "lateness_p99_ms": 1e3 * s.lateness_p99, "underruns": s.underruns,
                     "closed_reason": s.closed_reason, "guards": s.guards.describe(),
                     "resumes": s.resumes, "replayed": s.replayed, "frames_lost": s.frames_lost,
+                    "ready_ms": 1e3 * s.ready_s, "joined": s.joined,
                 }
                 for s in self.sessions
             ],

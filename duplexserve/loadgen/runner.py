@@ -6,12 +6,20 @@ are used up; paced sessions share one :class:`~duplexserve.loadgen.pacer.Pacer`,
 sessions connect first and then all send as fast as their sockets take it. With
 ``processes > 1`` each child process runs a worker over its share and the parent only
 coordinates the phases, scrapes the server and shows progress.
+
+Arrivals (``arrivals_per_s``): the same slots, but session lengths chosen so that the
+``concurrency`` live sessions turn over at that rate, one joining as one ends: a joining
+session lives ``concurrency / arrivals_per_s`` seconds (Little's law), and the first
+session of slot k ``(k + 1)`` times that over the slots, so the first ones end one
+after another and not all at once. Each session's time to ready (connect to the
+protocol's go-ahead: its prompt run) is recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import multiprocessing as mp
 import queue
@@ -26,7 +34,7 @@ import numpy as np
 
 from duplexserve.codecs import AudioFormat
 from duplexserve.codecs.formats import SAMPLE_BYTES
-from duplexserve.loadgen.audio import BaseSignal, SessionAudio, StreamSpec
+from duplexserve.loadgen.audio import FRAME_MS, BaseSignal, SessionAudio, StreamSpec
 from duplexserve.loadgen.drivers import get_driver
 from duplexserve.loadgen.drivers.native_resume import ResumingNativeDriver
 from duplexserve.loadgen.pacer import Pacer
@@ -65,6 +73,14 @@ class LoadSpec:
     label: str = ""
     scrape_metrics: bool = True
     drop_every: float = 0.0  # cut each session's connection about this often (s) and resume; 0: never
+    text_prompt: str = ""  # every session's persona (PersonaPlex): its text prompt,
+    voice_prompt: str = ""  # and the name of a voice prompt the server holds
+    arrivals_per_s: float = 0.0  # sessions joining a second, each replacing one that ends; 0: back to back
+    loss: float = 0.0  # WebRTC: share of the RTP packets sent that are dropped (a bad network)
+    jitter_ms: float = 0.0  # WebRTC: each packet sent held 0 to this long (reordering them)
+    opus_complexity: int = 5  # WebRTC: the server's --opus-complexity, its answers replayed with it
+    opus_output_fec: bool = False  # WebRTC: the server runs with --webrtc-output-fec
+    webrtc_packet_ms: int = 80  # WebRTC: the Opus packets asked of the server (the offer's a=maxptime)
 
     def stream(self) -> StreamSpec:
         return StreamSpec(
@@ -73,6 +89,19 @@ class LoadSpec:
             self.frames,
             self.message_ms,
         )
+
+    def prompt(self) -> dict[str, str]:
+        fields = (("text_prompt", self.text_prompt), ("voice_prompt", self.voice_prompt))
+        return {key: value for key, value in fields if value}
+
+    def frames_of(self, slot: int, slots: int, first: bool) -> int:
+        """Frames of a session of slot ``slot`` (of ``slots``): ``frames``, or with arrivals the
+        length that keeps ``concurrency`` sessions live while ``arrivals_per_s`` join."""
+        if not self.arrivals_per_s:
+            return self.frames
+        life_s = self.concurrency / self.arrivals_per_s
+        seconds = (slot + 1) * life_s / slots if first else life_s
+        return max(1, round(seconds * 1000 / FRAME_MS))
 
     def ramp(self) -> float:
         if self.ramp_s is not None:
@@ -90,10 +119,15 @@ class LoadSpec:
             raise ValueError("expect is one of echo, silence, none")
         self.stream()  # formats
         driver = get_driver(self.protocol)
+        driver.configure(self)  # the options of one protocol only (--loss, --jitter-ms: WebRTC)
         if self.drop_every < 0:
             raise ValueError("drop_every cannot be negative")
         if self.drop_every and (self.protocol != "native" or self.input_format not in SAMPLE_BYTES):
             raise ValueError("--drop-every needs the native protocol and a PCM or G.711 input format")
+        if self.arrivals_per_s < 0 or (self.arrivals_per_s and not self.paced):
+            raise ValueError("--arrivals-per-s is a positive rate of paced sessions")
+        if self.prompt() and not driver.takes_prompt:
+            raise ValueError(f"the {self.protocol} driver sends no prompt")
         if driver.input_formats is not None and self.input_format not in driver.input_formats:
             raise ValueError(f"{self.protocol} carries only {', '.join(driver.input_formats)}")
 
@@ -112,8 +146,9 @@ class Worker:
     def __init__(self, spec: LoadSpec, progress: Progress | None = None) -> None:
         self.spec = spec
         self.stream = spec.stream()
-        self.base = BaseSignal(spec.frames, spec.wav, spec.seed)
-        self.driver_cls = ResumingNativeDriver if spec.drop_every else get_driver(spec.protocol)
+        self.base = BaseSignal(spec.frames_of(0, 1, False), spec.wav, spec.seed)  # the longest session
+        driver = get_driver(spec.protocol).configure(spec)
+        self.driver_cls = ResumingNativeDriver if spec.drop_every else driver
         self.progress = progress
         self.recent: list[float] = []
         self._live: set[SessionRecorder] = set()
@@ -147,7 +182,9 @@ class Worker:
             first = True
             for index in todo:
                 barrier = all_connected if (first and not spec.paced) else None
-                results.append(await self._session(index, on_connected if first else None, barrier))
+                frames = spec.frames_of(k, slots, first)
+                results.append(await self._session(index, on_connected if first else None, barrier, frames,
+                                                   joined=not first))
                 first = False
 
         usage0, wall0 = _cpu(), monotonic()
@@ -160,20 +197,27 @@ class Worker:
         return PhaseResult(results, _cpu() - usage0, monotonic() - wall0, lag)
 
     async def _session(
-        self, index: int, on_connected: Callable[[], None] | None, barrier: asyncio.Future[None] | None
+        self, index: int, on_connected: Callable[[], None] | None, barrier: asyncio.Future[None] | None,
+        frames: int, joined: bool = False,
     ) -> SessionResult:
         spec, stream = self.spec, self.stream
+        if frames != stream.frames:
+            stream = dataclasses.replace(stream, frames=frames)
         loop = asyncio.get_running_loop()
         rec = SessionRecorder(index, stream.output, spec.expect != "none", self.recent)
+        rec.joined = joined
         audio = SessionAudio(self.base, stream, index, spec.expect, spec.delay_frames)
         driver = self.driver_cls(stream.input, stream.output, rec)
+        driver.prompt = spec.prompt()
         finished: asyncio.Future[None] = loop.create_future()
         dropper: asyncio.Task[None] | None = None
         rec.done_callback = lambda: finished.done() or finished.set_result(None)
         self._live.add(rec)
         try:
             try:
+                connecting = monotonic()
                 await driver.open(spec.url, spec.timeout_s)
+                rec.ready_s = monotonic() - connecting
             except Exception as exc:  # refused, reset, timed out: the session failed, the run goes on
                 rec.fail(f"could not open the session: {exc!r}")
                 driver.abort()
@@ -196,7 +240,7 @@ class Worker:
                 budget = spec.timeout_s
             else:
                 await _burst(driver, audio, rec, spec.expect == "none")
-                budget = spec.timeout_s + stream.frames * 0.08
+                budget = spec.timeout_s + stream.frames * FRAME_MS / 1000
             try:
                 await asyncio.wait_for(asyncio.shield(finished), budget)
             except TimeoutError:
@@ -245,6 +289,7 @@ def _paced_sender(
         chunk, samples = next(messages)
         expected = audio.expected_after(chunk)
         driver.send_audio(chunk)
+        expected = driver.answers(expected)
         frames = counter.count(samples)
         rec.sent_frames(expected, frames if count_only else len(expected), monotonic())
         remaining -= 1
@@ -269,6 +314,7 @@ async def _drops(driver: Any, every: float, rng: random.Random, rec: SessionReco
 def _end(driver: Any, audio: SessionAudio, rec: SessionRecorder) -> None:
     tail = audio.expected_at_end()
     driver.end_input()
+    tail = driver.answers(tail)
     rec.sent_frames(tail, len(tail), monotonic())
 
 
@@ -291,6 +337,7 @@ async def _burst(driver: Any, audio: SessionAudio, rec: SessionRecorder, count_o
             return
         expected = audio.expected_after(chunk)
         driver.send_audio(chunk)
+        expected = driver.answers(expected)
         frames = counter.count(samples)
         rec.sent_frames(expected, frames if count_only else len(expected), monotonic())
         await driver.drain()
@@ -332,7 +379,8 @@ def run_load(spec: LoadSpec, progress: Progress | None = None) -> RunResult:
 
 def _label(spec: LoadSpec) -> str:
     mode = "paced" if spec.paced else "burst"
-    return f"{spec.protocol} {mode} c={spec.concurrency} n={spec.sessions} x {spec.frames} frames"
+    length = f"+{spec.arrivals_per_s:g}/s" if spec.arrivals_per_s else f"x {spec.frames} frames"
+    return f"{spec.protocol} {mode} c={spec.concurrency} n={spec.sessions} {length}"
 
 
 def _run_in_process(spec: LoadSpec, progress: Progress | None) -> tuple[Any, ...]:

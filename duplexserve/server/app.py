@@ -22,7 +22,7 @@ from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
-from duplexserve.server import gc_pauses
+from duplexserve.server import gc_pauses, personas
 from duplexserve.server.connection import Connection, Receive, Scope, Send
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.moshi_chat import MoshiConnection
@@ -131,6 +131,7 @@ class DuplexApp:
         async def index() -> FileResponse:
             return FileResponse(STATIC_DIR / "index.html")
 
+        app.get("/v1/voices")(personas.voices_route(self.config, orch))  # voice prompts (PersonaPlex)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
         self.webrtc.add_routes(app)  # POST /v1/realtime/calls, .../hangup, /v1/realtime/client_secrets
 

@@ -43,7 +43,7 @@ from duplexserve.codecs.pipeline import Decoder, Encoder
 from duplexserve.codecs.procpool import OK, CodecProcessError, CodecProcesses, reply_error
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
-from duplexserve.server import auth
+from duplexserve.server import auth, personas
 from duplexserve.server.eager import run_eager
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
@@ -107,6 +107,8 @@ class Connection(ABC):
         self.decoder: Decoder | None = None
         self.encoder: Encoder | None = None
         self._loop = asyncio.get_running_loop()
+        #: When the upgrade request came: time to ready is counted from here.
+        self.connected_at = self._loop.time()
         self._writer_wait: asyncio.Future[None] | None = None
         self._reader_wait: asyncio.Future[None] | None = None
         self._tasks: tuple[asyncio.Task[None], ...] = ()
@@ -185,7 +187,13 @@ class Connection(ABC):
         ):
             await self.refuse(errors.POLICY, "unauthorized", "a valid API key is required")
             return
-        if not await self.handshake():
+        try:
+            if not await self.handshake():
+                return
+        except (OSError, RuntimeError):  # the client left during it (while a prompt ran, say)
+            session = self.session
+            if session is not None and not session.closed and not session.detached:
+                self.orch.close(session, "disconnected", errors.GOING_AWAY)
             return
         session = self.session
         assert session is not None
@@ -300,6 +308,38 @@ class Connection(ABC):
             return False
         self.session = session
         return True
+
+    async def run_prompt(self, params: dict[str, Any]) -> SessionError | None:
+        """Run this session's prompt (``text_prompt``, ``voice_prompt``), before its first audio
+        reaches the engine; None once it ran, else what the client is told: an error that ends
+        the session unless it is ``prompt_unsupported`` (``personas.refusal``)."""
+        session = self.session
+        assert session is not None
+        started = self._loop.time()
+        outcome: tuple[str, str] | None = ("engine_error", "the session ended before its prompt ran")
+        if not session.closed:
+            try:
+                outcome = await self.orch.run_prompt(session, params)
+            except Exception:  # a bridge gone under it, say: this session only
+                log.exception("session %s: the prompt could not be run", session.id)
+                outcome = ("engine_error", "the engine could not run the prompt")
+        self.orch.readiness.observe_prompt(self.protocol, outcome[0] if outcome else "ran",
+                                           self._loop.time() - started)
+        closed = session.closed_event
+        if closed is not None:  # it ended meanwhile (shutdown, the engine replaced): say why
+            return SessionError(closed.reason, "the session ended before its prompt ran", closed.close_code)
+        return None if outcome is None else personas.refusal(*outcome)
+
+    async def refuse_session(self, error: SessionError) -> None:
+        """Close the session this handshake opened and refuse the connection with ``error``."""
+        assert self.session is not None and error.close_code is not None
+        self.orch.close(self.session, error.code, error.close_code)
+        await self.refuse(error.close_code, error.code, error.message)
+
+    def ready(self) -> None:
+        """The session is ready for audio (``session.created``, the handshake byte): observe
+        the time since the connection came."""
+        self.orch.readiness.observe_ready(self.protocol, self._loop.time() - self.connected_at)
 
     async def accept(self, subprotocol: str | None = None) -> None:
         message: dict[str, Any] = {"type": "websocket.accept"}

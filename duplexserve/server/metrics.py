@@ -59,6 +59,7 @@ class ServerCollector(Collector):
             value=turn.late,
         )
         yield GaugeMetricFamily("duplexserve_sessions_active", "sessions holding a slot", orch.active)
+        yield from orch.readiness.collect()
         yield GaugeMetricFamily("duplexserve_ready", "1 when new sessions are admitted", int(orch.ready))
         yield GaugeMetricFamily(
             "duplexserve_engine_queue_depth", "items in the engine queue", orch.bridge.qsize()

@@ -2,9 +2,9 @@
 
 Binary messages only; byte 0 is the kind (Kyutai's ``rust/protocol.md``):
 
-- ``0x00`` handshake, sent once the session holds a slot: ``u32 protocol_version=0,
-  u32 model_version=0`` little-endian, as Kyutai's Rust servers send (its Python server
-  sends the bare byte; every client ignores the payload);
+- ``0x00`` handshake, sent once the session holds a slot and its prompt ran: ``u32
+  protocol_version=0, u32 model_version=0`` little-endian, as Kyutai's Rust servers send
+  (its Python server sends the bare byte; every client ignores the payload);
 - ``0x01`` audio, an Ogg/Opus stream at 24 kHz mono in both directions; the first
   message out carries the OpusHead and OpusTags pages;
 - ``0x02`` text, one token as UTF-8; ``0x05`` error, a UTF-8 string.
@@ -15,6 +15,13 @@ asks. Unlike Kyutai's server, which serves one conversation at a time behind a l
 and leaves later sockets waiting without a handshake, every session here is served at
 once; a server that is full or draining sends an error message and closes (1013), which
 a client can show.
+
+PersonaPlex's persona comes as its web client sends it, ``?text_prompt=...&voice_prompt=
+NATF2.pt``: as NVIDIA's server does, the WebSocket is accepted, the prompt runs, then the
+handshake goes out (audio a client sends before it is read after it). A refused prompt is
+an error message (``0x05``): before the close for an unknown voice (1008), an invalid
+prompt (1007) or an engine failure (1011); after the handshake, the session going on,
+for a model that takes no prompt.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from duplexserve import errors
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
 from duplexserve.errors import SessionError
+from duplexserve.server import personas
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 
@@ -101,7 +109,18 @@ class MoshiConnection(Connection):
             make_encoder(OPUS, self.codec_procs),
         )
         await self.accept()
+        prompt = personas.prompt_of(params)
+        refused = await self.run_prompt(prompt) if prompt else None
+        if refused is not None and refused.fatal:
+            assert self.session is not None and refused.close_code is not None
+            self.orch.close(self.session, refused.code, refused.close_code)
+            await self.send_error(refused.code, f"{refused.code}: {refused.message}", True)
+            await self.close(refused.close_code)
+            return False
         await self.send_bytes(HANDSHAKE)
+        self.ready()
+        if refused is not None:  # prompt_unsupported: the session goes on without it
+            await self.send_error(refused.code, f"{refused.code}: {refused.message}", False)
         return True
 
     async def on_binary(self, data: bytes) -> None:

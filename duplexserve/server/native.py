@@ -7,6 +7,7 @@ answer leaves as one ``tobytes()`` per frame.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, SAMPLE_BYTES, Au
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
 from duplexserve.codecs.resample import frame_samples_total
 from duplexserve.errors import SessionError
+from duplexserve.server import personas
 from duplexserve.server.connection import Connection
+from duplexserve.server.eager import run_eager
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 from duplexserve.server.replay import ReplayRing
 from duplexserve.server.resume import Resumable
@@ -47,6 +50,7 @@ class Carry:
     sent_audio: ReplayRing
     sent_text: collections.deque[tuple[int, str]]
     wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
+    prompted: bool = False  # the session's prompt was asked for: it is set once
 
 
 def text_delta(frame: int, text: str) -> str:
@@ -66,6 +70,10 @@ class NativeConnection(Connection):
     #: so its resampler and the session's partial frame go on as if nothing happened.
     _wire_bytes = 0
     _skip_bytes = 0
+    #: A prompt was asked for (query or ``session.update``); one runs at most once a session.
+    _prompted = False
+    #: The prompt of a ``session.update`` running: audio is refused until ``session.updated``.
+    _prompting: asyncio.Task[None] | None = None
 
     async def handshake(self) -> bool:
         q = self.query
@@ -82,6 +90,13 @@ class NativeConnection(Connection):
             return False
         if not await self.open_session():
             return False
+        # A prompt runs before the WebSocket is accepted: no audio can come before session.created.
+        prompt = personas.prompt_of(q)
+        refused = await self.run_prompt(prompt) if prompt else None
+        if refused is not None and refused.fatal:
+            await self.refuse_session(refused)
+            return False
+        self._prompted = prompt is not None
         created = self._describe("session.created")
         registry = self.orch.resume
         if registry.enabled:
@@ -92,6 +107,9 @@ class NativeConnection(Connection):
             created["resume"] = {"token": self._resumable.token, "grace_s": registry.grace_s}
         await self.accept()
         await self.send_json(created)
+        self.ready()
+        if refused is not None:  # prompt_unsupported: the session goes on without it
+            await self.send_error(refused.code, refused.message, False)
         return True
 
     # -------------------------------------------------------------------- resume
@@ -99,7 +117,7 @@ class NativeConnection(Connection):
         assert self.decoder is not None and self.encoder is not None
         assert self._sent_audio is not None and self._sent_text is not None
         return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
-                     self._sent_audio, self._sent_text, self._wire_bytes)
+                     self._sent_audio, self._sent_text, self._wire_bytes, self._prompted)
 
     def lost(self, session: Any) -> bool:
         entry = self._resumable
@@ -137,7 +155,7 @@ class NativeConnection(Connection):
         self.encoder = make_encoder(carry.output_format, self.codec_procs) \
             if carry.output_format.format == OPUS else carry.encoder
         self._sent_audio, self._sent_text = carry.sent_audio, carry.sent_text
-        self.session, self._resumable = session, entry
+        self.session, self._resumable, self._prompted = session, entry, carry.prompted
         if carry.input_format.format == OPUS:
             session.drop_partial()  # the new Ogg stream starts at input frame frames_in
         else:
@@ -227,6 +245,10 @@ class NativeConnection(Connection):
         """Audio for an inline decoder (PCM, G.711), on the spot: the hot path."""
         decoder = self.decoder
         assert decoder is not None and self.session is not None
+        if self._prompting is not None:
+            raise SessionError(
+                "prompt_running", "audio before session.updated is not accepted: the prompt is running"
+            )
         if self._skip_bytes or not (decoder.inline and self.inline_ok):
             return False
         self._wire_bytes += len(data)
@@ -255,7 +277,7 @@ class NativeConnection(Connection):
 
     def audio_payload(self, data: bytes) -> bytes | None:
         """Opus for the codec worker, straight from the fast path (``Connection``)."""
-        if self._skip_bytes:
+        if self._skip_bytes or self._prompting is not None:  # binary_now refuses it
             return None
         self._wire_bytes += len(data)
         return data
@@ -286,8 +308,16 @@ class NativeConnection(Connection):
     def _update(self, event: dict[str, Any]) -> None:
         session = self.session
         assert session is not None
+        if self._prompting is not None:
+            raise SessionError("prompt_running", "the prompt is running: wait for its session.updated")
         if session.state is not State.CREATED:
             raise SessionError("session_locked", "session.update is only allowed before the first audio")
+        try:
+            prompt = personas.prompt_of(event)
+        except ValueError as exc:
+            raise SessionError("invalid_event", str(exc), errors.INVALID_PAYLOAD) from None
+        if prompt is not None and self._prompted and self.orch.engine.takes_prompts:
+            raise SessionError("session_locked", "a session's prompt is set once, before its first audio")
         sides = []
         for side, current in (("input", self.input_format), ("output", self.output_format)):
             spec = event.get(side)
@@ -307,7 +337,26 @@ class NativeConnection(Connection):
             self._set_formats(*sides)
         except FormatError as exc:
             raise SessionError("unsupported_format", str(exc)) from None
-        session.say(self._describe("session.updated"))
+        if prompt is None:
+            session.say(self._describe("session.updated"))
+            return
+        self._prompted = True
+        self._prompting = run_eager(self._prompt(prompt))  # None: answered at once (no engine)
+
+    async def _prompt(self, prompt: dict[str, str]) -> None:
+        """Run the prompt of a ``session.update``; ``session.updated`` follows once it ran.
+        Meanwhile other messages are read: audio is refused, ``session.close`` ends it."""
+        session = self.session
+        assert session is not None
+        try:
+            refused = await self.run_prompt(prompt)
+        finally:
+            self._prompting = None
+        if refused is not None:
+            session.error(refused)
+        if refused is None or not refused.fatal:
+            session.say(self._describe("session.updated"))
+        self._received(session)
 
     async def _end_input(self) -> None:
         session = self.session

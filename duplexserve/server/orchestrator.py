@@ -20,6 +20,7 @@ from typing import Any
 from duplexserve import errors
 from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
+from duplexserve.server.personas import Readiness
 from duplexserve.server.resume import ResumeRegistry
 from duplexserve.server.session import Limits, Session, State, no_notify
 from duplexserve.server.turnaround import FrameTimer, TurnaroundTotals
@@ -91,6 +92,9 @@ class Orchestrator:
         #: Sessions with answers to send, in the order they were touched (:meth:`_on_outputs`).
         self._touched: dict[int, Session] = {}
         self._notify_pending = False
+        #: Prompts handed to the engine and not yet answered, by slot (:meth:`run_prompt`).
+        self._prompts: dict[int, asyncio.Future[tuple[str, str] | None]] = {}
+        self.readiness = Readiness()
 
     def _new_bridge(self, engine: Engine, counts: Any = None) -> EngineBridge:
         make_bridge = getattr(engine, "make_bridge", None)
@@ -217,10 +221,15 @@ class Orchestrator:
             return "voice_not_found", f"voice_prompt {voice!r}: not one of this server's (GET /v1/voices)"
         assert self._loop is not None
         done: asyncio.Future[tuple[str, str] | None] = self._loop.create_future()
+        self._prompts[session.slot] = done
         self.bridge.prompt(
             session.slot, session.generation, params, lambda outcome: done.done() or done.set_result(outcome)
         )
-        return await done
+        try:
+            return await done
+        finally:
+            if self._prompts.get(session.slot) is done:
+                del self._prompts[session.slot]
 
     # --------------------------------------------------------------------- frames
     def pump(self, session: Session) -> None:
@@ -292,6 +301,9 @@ class Orchestrator:
             session.timer.flush()
         self._by_slot[session.slot] = None
         self._free.append(session.slot)
+        prompt = self._prompts.pop(session.slot, None)
+        if prompt is not None and not prompt.done():  # an abandoned or stopped engine never answers
+            prompt.set_result(("engine_error", "the session ended before its prompt ran"))
         if not self.bridge.abandoned:
             self.bridge.close(session.slot, session.generation)
         client = self._client_of.pop(session.slot, None)

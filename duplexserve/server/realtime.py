@@ -10,6 +10,13 @@ does not depend on output state; anything that does (``response.create``/``cance
 ``conversation.item.truncate``, a new output format) is queued as an :class:`_Apply`
 in the session's outgoing stream and run by the writer, so it takes effect exactly
 between the output frames around it.
+
+Personas: for a model that takes prompts (PersonaPlex), ``instructions`` is its text
+prompt and the output voice names a voice prompt. The first ``session.update`` that sets
+them before any audio runs the prompt, and its ``session.updated`` goes out once it ran;
+the messages after it wait meanwhile (reading pauses), so the model hears no audio before
+its prompt. Audio first: the model's default prompt runs. A later change of either gets
+``session_locked`` (the session goes on). A model without prompts only echoes them.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from duplexserve.server import realtime_events as ev
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 from duplexserve.server.realtime_responses import Responses
+from duplexserve.server.session import State
 
 SUBPROTOCOL = "realtime"
+DEFAULT_VOICE = "default"  # no voice prompt
 #: Closes the client did not ask for that deserve an ``error`` event before the close.
 _QUIET_CLOSES = ("completed", "client_closed", "disconnected")
 _SERVER_SIDE = (errors.INTERNAL, errors.TRY_AGAIN, errors.GOING_AWAY)
@@ -86,6 +95,8 @@ class RealtimeConnection(Connection):
         self._energy_floor = rms * rms * FRAME_SAMPLES  # compared with sum(x^2): no sqrt per frame
         self._silence_frames = max(1, math.ceil(self.config.realtime_silence_ms / FRAME_MS))
         self._uncommitted = 0  # model-rate samples appended since the last commit or clear
+        self._prompted = False  # instructions and voice went to the model: they are fixed
+        self._after_prompt: Callable[[], list[dict[str, Any]]] | None = None
 
     # --------------------------------------------------------------- handshake
     async def accept(self, subprotocol: str | None = None) -> None:
@@ -114,7 +125,7 @@ class RealtimeConnection(Connection):
             "id": "sess_" + session.id,
             "model": self.query.get("model") or self.config.model_name,
             "instructions": "",
-            "voice": "default",
+            "voice": DEFAULT_VOICE,
             "input_format": "audio/pcm",
             "output_format": "audio/pcm",
             "turn_detection": None,
@@ -122,6 +133,7 @@ class RealtimeConnection(Connection):
         self.responses = Responses(self._new_id, self._silence_frames)
         await self.accept()
         await self._emit({"type": "session.created", "session": ev.session_object(self.state)})
+        self.ready()
         return True
 
     def _new_id(self, prefix: str) -> str:
@@ -155,7 +167,7 @@ class RealtimeConnection(Connection):
             if kind == "input_audio_buffer.append":
                 await self._append(event)
             elif kind == "session.update":
-                self._update(event, client_event_id)
+                await self.update_session(event, client_event_id)
             elif kind == "response.create":
                 self._response_create(event, client_event_id)
             elif kind == "response.cancel":
@@ -205,8 +217,27 @@ class RealtimeConnection(Connection):
         item = self._new_id("item")
         self._reply({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": None})
 
-    def _update(self, event: dict[str, Any], client_event_id: str | None) -> None:
-        """GA nested ``audio.input.format`` and beta flat fields, validated before any change."""
+    async def update_session(self, event: dict[str, Any], client_event_id: str | None) -> None:
+        """``session.update``, and the model's prompt when it sets one (``session.updated``
+        once the prompt ran; what the client sent after it waits until then)."""
+        prompt = self._update(event, client_event_id)
+        if prompt is None:
+            return
+        session = self.session
+        assert session is not None
+        refused = await self.run_prompt(prompt)
+        if refused is not None:
+            session.error(refused)
+            if refused.fatal:
+                return
+        apply, self._after_prompt = self._after_prompt, None
+        if apply is not None:
+            self._apply(apply)
+
+    def _update(self, event: dict[str, Any], client_event_id: str | None) -> dict[str, str] | None:
+        """GA nested ``audio.input.format`` and beta flat fields, validated before any change.
+        Returns the prompt to run when the update sets the model's (``update_session`` runs
+        it, then says ``session.updated``); None: ``session.updated`` is queued."""
         spec = event.get("session")
         if not isinstance(spec, dict):
             raise ClientEventError("invalid_value", "'session' must be an object", "session")
@@ -255,6 +286,7 @@ class RealtimeConnection(Connection):
             if "turn_detection" in holder:
                 state["turn_detection"] = _turn_detection(holder["turn_detection"], param)
                 break
+        prompt = self._prompt_of(state)
         try:
             decoder, encoder = self._codecs(state["input_format"], state["output_format"])
         except FormatError as exc:
@@ -272,7 +304,31 @@ class RealtimeConnection(Connection):
             self.responses.voice = state["voice"]
             return [{"type": "session.updated", "session": snapshot}]
 
+        if prompt is not None:
+            self._prompted, self._after_prompt = True, apply
+            return prompt
         self._apply(apply)
+        return None
+
+    def _prompt_of(self, state: dict[str, Any]) -> dict[str, str] | None:
+        """The prompt of a model that takes one when ``state`` changes its instructions or
+        voice, else None. Set once, before any audio (audio first: the default prompt ran)."""
+        if not self.orch.engine.takes_prompts:
+            return None  # echoed, not applied: agent frameworks always send them
+        changed = [key for key in ("instructions", "voice") if state[key] != self.state[key]]
+        if not changed:
+            return None
+        assert self.session is not None
+        if self._prompted or self.session.state is not State.CREATED:
+            raise ClientEventError(
+                "session_locked",
+                "instructions and voice are the model's prompt, set once before the first audio",
+                "session.instructions" if changed[0] == "instructions" else "session.audio.output.voice",
+            )
+        prompt = {"text_prompt": state["instructions"]}
+        if state["voice"] != DEFAULT_VOICE:
+            prompt["voice_prompt"] = state["voice"]
+        return prompt
 
     def _response_create(self, event: dict[str, Any], client_event_id: str | None) -> None:
         spec = event.get("response") or {}

@@ -30,7 +30,7 @@ from typing import Any
 from duplexserve import errors
 from duplexserve.codecs.formats import AudioFormat
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
-from duplexserve.server import auth
+from duplexserve.server import auth, personas
 from duplexserve.server import twilio_wire as wire
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Outgoing
@@ -116,8 +116,16 @@ class TwilioConnection(Connection):
             return False
         if not await self.open_session(params):
             return False
+        prompt = personas.prompt_of(params)  # <Parameter name="text_prompt" .../>: media waits for it
+        refused = await self.run_prompt(prompt) if prompt else None
+        if refused is not None:
+            if refused.fatal:
+                await self.refuse_session(refused)
+                return False
+            await self.send_error(refused.code, refused.message, False)  # the call goes on without it
         self.decoder, self.encoder = make_decoder(MULAW_8K), make_encoder(MULAW_8K)
         COUNTS.calls += 1
+        self.ready()
         log.info("twilio call %s stream %s started (session %s)", self.call, start.stream_sid,
                  self.session.id if self.session else "-")
         return True

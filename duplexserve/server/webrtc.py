@@ -164,6 +164,7 @@ class WebRTCConnection(RealtimeConnection):
         self.opus_in = RtpOpusDecoder()
         self.opus_out = RtpOpusEncoder(config.opus_complexity, fec=config.webrtc_output_fec)
         self.track = webrtc_peer.OutgoingAudio()
+        self.packet_ms = config.webrtc_packet_ms  # the Opus packets sent (attach: the peer's maxptime)
         self.pc: Any = None
         self.frames_skipped = 0  # whole frames not fed: the engine was behind (input paused)
         self.decode_errors = 0
@@ -188,7 +189,7 @@ class WebRTCConnection(RealtimeConnection):
         config = self.session_config
         if config:
             try:
-                self._update({"session": config}, None)
+                await self.update_session({"session": config}, None)  # runs a prompt it sets
             except ClientEventError as exc:
                 self._settle((400, exc.code, f"session: {exc.message}"))
                 assert self.session is not None
@@ -266,7 +267,8 @@ class WebRTCConnection(RealtimeConnection):
                     await self._emit(_buffer_event("started", event))
             if response is None and responses.mode is Mode.MUTED:
                 audio = SILENCE  # response.cancel: the rest of that speech is not heard
-            self.track.push(self.opus_out.encode(audio))
+            ms = self.packet_ms
+            self.track.push(self.opus_out.encode(audio, ms * 24), ms * 48)  # 24 kHz in, 48 kHz RTP clock
             for event in after:
                 await self._emit(event)
                 if event["type"] == "response.done":
@@ -293,10 +295,12 @@ class WebRTCConnection(RealtimeConnection):
         }  # fmt: skip
 
     # ----------------------------------------------------------------- the peer
-    def attach(self, pc: Any, opus_types: set[int]) -> None:
+    def attach(self, pc: Any, opus_types: set[int], packet_ms: int) -> None:
         """Wire the peer connection to this call: its audio to the jitter buffer, our
-        track to its sender, its ``oai-events`` channel to the Realtime adapter."""
+        track (Opus packets of ``packet_ms``) to its sender, its ``oai-events`` channel to
+        the Realtime adapter."""
         self.pc = pc
+        self.packet_ms = packet_ms
         for transceiver in pc.getTransceivers():
             if transceiver.kind == "audio":
                 webrtc_peer.tap_audio(transceiver.receiver, opus_types, self.on_packet)
@@ -390,6 +394,7 @@ class WebRTCCalls:
         app.post("/v1/realtime/calls")(self.create)
         app.post("/v1/realtime/calls/{call_id}/hangup")(self.hangup)
         app.post("/v1/realtime/client_secrets")(self.client_secret)
+        app.get("/v1/realtime/ice_servers")(self.browser_ice_servers)
 
     # ------------------------------------------------------------------ checks
     def _server_key_ok(self, request: Request) -> bool:
@@ -496,7 +501,7 @@ class WebRTCCalls:
         conn = WebRTCConnection(
             scope, socket, self.orch, self.config, self.codec_pool, self.codec_procs, call_id, config
         )
-        conn.attach(pc, opus)
+        conn.attach(pc, opus, webrtc_peer.packet_ms(offer, self.config.webrtc_packet_ms))
         task = asyncio.create_task(self._serve(conn), name=f"webrtc-{call_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -560,6 +565,14 @@ class WebRTCCalls:
         except ValueError as exc:
             return _error(400, "invalid_value", str(exc))
         return JSONResponse(secret.response())
+
+    async def browser_ice_servers(self, request: Request) -> Response:
+        """``GET /v1/realtime/ice_servers`` (not OpenAI's): the STUN servers a browser should
+        give its RTCPeerConnection to reach this server (webrtc_peer.stun_for_browsers)."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        return JSONResponse({"ice_servers": webrtc_peer.stun_for_browsers(self.ice_servers)})
 
     async def close(self) -> None:
         """At shutdown: every call's peer connection closed (its session closes with the rest)."""

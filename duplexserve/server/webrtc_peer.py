@@ -58,7 +58,8 @@ __all__ = [
 
 _TIME_BASE = fractions.Fraction(1, 48000)
 PACKET_TS = 960  # 20 ms at the RTP clock
-#: Packets kept for the sender at most (2.5 s): past it the oldest go, the call stays real time.
+#: Packets kept for the sender at most (2.5 s of 20 ms ones): past it the oldest go, the call
+#: stays real time.
 OUT_QUEUE = 128
 
 
@@ -83,6 +84,30 @@ def parse_ice_servers(spec: str) -> list[dict[str, Any]]:
             raise ValueError("--ice-servers: a JSON list of objects with 'urls'")
         return servers
     return [{"urls": url.strip()} for url in spec.split(",") if url.strip()]
+
+
+def stun_for_browsers(servers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a browser calling this server should ask (``GET /v1/realtime/ice_servers``):
+    the STUN URLs of ``servers``, and every TURN server's address as a STUN one (coturn,
+    as most TURN servers, answers STUN on the same port), never a credential.
+
+    A server behind TURN offers relay candidates, and the TURN server relays only from
+    peers the server asked it to let in: the addresses of the browser's candidates. A
+    browser that hides its host addresses (mDNS) and asks no STUN server has no address
+    the server could name, so it needs its reflexive one."""
+    urls: list[str] = []
+    for server in servers:
+        for url in [server["urls"]] if isinstance(server["urls"], str) else server["urls"]:
+            scheme, _, rest = url.partition(":")
+            if scheme in ("stun", "stuns"):
+                stun = url
+            elif scheme in ("turn", "turns"):
+                stun = "stun:" + rest.split("?", 1)[0]
+            else:
+                continue
+            if stun not in urls:
+                urls.append(stun)
+    return [{"urls": urls}] if urls else []
 
 
 def restrict_host_addresses(addresses: tuple[str, ...]) -> None:
@@ -139,26 +164,48 @@ def tap_audio(receiver: Any, payload_types: set[int], on_packet: Callable[[int, 
     receiver._handle_rtp_packet = handle
 
 
+def packet_ms(sdp: str, longest: int) -> int:
+    """The Opus packets to send a peer whose offer is ``sdp``: ``longest`` ms (20, 40 or
+    80, whole fractions of a model frame), less where its audio section's ``a=maxptime``
+    (or the session's) asks for less. Without one, any length up to 120 ms is allowed
+    (RFC 7587: a receiver decodes every Opus packet), so an 80 ms frame goes as one."""
+    maxptime, audio = None, None
+    for line in sdp.splitlines():
+        if line.startswith("m="):
+            if audio is not None:
+                break  # the audio section is over
+            audio = line.startswith("m=audio")
+        elif line.startswith("a=maxptime:") and audio is not False:
+            try:
+                maxptime = int(float(line[11:].strip()))
+            except ValueError:
+                continue
+    if maxptime is None:
+        return longest
+    return max((ms for ms in (20, 40, 80) if ms <= min(maxptime, longest)), default=20)
+
+
 class OutgoingAudio(MediaStreamTrack):  # type: ignore[misc,valid-type]
     """The model's voice as the call's audio track: Opus packets encoded elsewhere, handed
-    to aiortc's sender as they come (four per 80 ms model frame)."""
+    to aiortc's sender as they come (one per 80 ms model frame, or four of 20 ms)."""
 
     kind = "audio"
 
     def __init__(self) -> None:
         super().__init__()
-        self._packets: collections.deque[bytes] = collections.deque()
+        self._packets: collections.deque[tuple[bytes, int]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._pts = 0
         self.dropped = 0
 
-    def push(self, packets: list[bytes]) -> None:
+    def push(self, packets: list[bytes], duration: int = PACKET_TS) -> None:
+        """Packets of ``duration`` RTP units (48 kHz) each, to send in order."""
         queue = self._packets
-        queue.extend(packets)
+        queue.extend((p, duration) for p in packets)
         while len(queue) > OUT_QUEUE:
-            queue.popleft()
+            _, gone = queue.popleft()
             self.dropped += 1
-            self._pts += PACKET_TS  # the receiver hears a gap where it was
+            self._pts += gone  # the receiver hears a gap where it was
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -172,9 +219,10 @@ class OutgoingAudio(MediaStreamTrack):  # type: ignore[misc,valid-type]
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
             self._waiter = None
-        packet = av.Packet(self._packets.popleft())
+        data, duration = self._packets.popleft()
+        packet = av.Packet(data)
         packet.pts, packet.time_base = self._pts, _TIME_BASE
-        self._pts += PACKET_TS
+        self._pts += duration
         return packet
 
     def stop(self) -> None:

@@ -421,8 +421,9 @@ class MoshiEngine(Engine):
         """Reset the session's row now and run its prompt through the LM in one forward."""
         if not self.family.prompted:
             super().prompt(slot, params)
+        prompt = self._build_prompt(params)  # refused before the default prompt is given up
         self._unprompted.discard(slot)
-        self._prefill(slot, self._build_prompt(params), _prompt_key(params))
+        self._prefill(slot, prompt, _prompt_key(params))
 
     def prompt_cached(self, params: dict[str, Any]) -> bool:
         """Whether ``prompt`` with ``params`` costs a copy, not a forward (the bridge runs

@@ -1,8 +1,9 @@
 """The interface between the load generator and a wire protocol.
 
 The runner owns timing, audio and guards and speaks to a session through a driver:
-``open`` (connect and wait for the server's go-ahead), ``send_audio`` (one message of
-audio already in the session's input format), ``end_input`` and ``close``. The driver
+``open`` (connect and wait for the server's go-ahead: the session is ready, its prompt
+run), ``send_audio`` (one message of audio already in the session's input format),
+``end_input`` and ``close``. The driver
 turns whatever the protocol puts on the wire back into calls on a :class:`Sink`: one
 ``on_audio`` per output frame, in arrival order, stamped with the arrival time.
 """
@@ -50,12 +51,16 @@ class ClientDriver(ABC):
     default_path: ClassVar[str] = "/"
     #: Input formats the protocol can carry (None: any the server accepts).
     input_formats: ClassVar[tuple[str, ...] | None] = None
+    #: Whether the driver sends a persona prompt (``text_prompt``, ``voice_prompt``).
+    takes_prompt: ClassVar[bool] = False
 
     def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
         self.input_format = input_format
         self.output_format = output_format
         self.sink = sink
         self.ws: WSClient | None = None
+        #: The session's prompt, set by the runner before ``open``: its non-empty fields.
+        self.prompt: dict[str, str] = {}
 
     def url(self, base: str) -> str:
         """The URL to open: ``base`` with this protocol's path when it has none, and its query."""
@@ -68,6 +73,19 @@ class ClientDriver(ABC):
 
     def query(self) -> str:
         return ""
+
+    @classmethod
+    def configure(cls, spec: Any) -> type[ClientDriver]:
+        """The driver class for a run of ``spec`` (a LoadSpec), with the options only some
+        protocols have checked (ValueError) and set; this one takes none of them."""
+        if spec.loss or spec.jitter_ms:
+            raise ValueError(f"--loss and --jitter-ms emulate a network for WebRTC; {cls.name} runs over TCP")
+        return cls
+
+    def answers(self, expected: list[bytes]) -> list[bytes]:
+        """The output frames owed for the message just sent, from the runner's prediction
+        of the engine's output (a protocol whose audio is lossy on the wire maps it)."""
+        return expected
 
     async def open(self, base_url: str, timeout: float = 30.0) -> None:
         """Connect; returns when the server is ready for audio (``on_ready`` was called)."""

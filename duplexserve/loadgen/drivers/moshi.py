@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from urllib.parse import urlencode
 
 from duplexserve.codecs import AudioFormat
 from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
@@ -35,12 +36,16 @@ class MoshiDriver(HangUpWhenAnswered):
     default_path = "/api/chat"
     input_formats = ("opus",)
     awaited = "the handshake"
+    takes_prompt = True  # PersonaPlex's query fields: the handshake comes once the prompt ran
 
     def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
         if output_format.format != "opus":
             raise ValueError("the Moshi protocol answers in Ogg/Opus: use output format opus")
         super().__init__(input_format, output_format, sink)
         self._frames_sent = 0
+
+    def query(self) -> str:
+        return urlencode(self.prompt)
 
     async def ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._future("ready"), timeout)

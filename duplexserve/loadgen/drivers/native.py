@@ -14,12 +14,13 @@ _INPUT_END = json.dumps({"type": "input.end"})
 class NativeDriver(ClientDriver):
     name = "native"
     default_path = "/v1/duplex"
+    takes_prompt = True  # in the query: session.created comes once the prompt ran
 
     def query(self) -> str:
         i, o = self.input_format, self.output_format
         return urlencode({
             "input_format": i.format, "input_sample_rate": i.sample_rate,
-            "output_format": o.format, "output_sample_rate": o.sample_rate,
+            "output_format": o.format, "output_sample_rate": o.sample_rate, **self.prompt,
         })
 
     _created: asyncio.Future[None] | None = None

@@ -1,6 +1,7 @@
 """OpenAI Realtime at ``/v1/realtime``: base64 pcm16 in JSON both ways (G.711 out on request).
 
-The driver configures the output format with ``session.update`` and waits for
+The driver configures the output format with ``session.update`` (and the prompt: the
+text as ``instructions``, the voice as ``audio.output.voice``) and waits for
 ``session.updated`` before audio. Each ``response.output_audio.delta`` is one output
 frame. The server only sends frames inside a response (docs/protocols.md), so runs
 through this driver need input without long pauses (the generated signal has none):
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from typing import Any
 
 from duplexserve.codecs import FRAME_SAMPLES, AudioFormat
 from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
@@ -39,6 +41,7 @@ class RealtimeDriver(HangUpWhenAnswered):
     input_formats = ("pcm_s16le",)
     awaited = "session.updated"
     handshake = ("created", "ready")
+    takes_prompt = True
 
     def __init__(self, input_format: AudioFormat, output_format: AudioFormat, sink: Sink) -> None:
         if input_format.sample_rate != 24000:
@@ -57,20 +60,16 @@ class RealtimeDriver(HangUpWhenAnswered):
         await asyncio.wait_for(self._future("created"), timeout)
         assert self.ws is not None
         fmt = GA_OUTPUT[(self.output_format.format, self.output_format.sample_rate)]
-        self.ws.send_text(
-            json.dumps(
-                {
-                    "type": "session.update",
-                    "session": {
-                        "type": "realtime",
-                        "audio": {
-                            "input": {"format": {"type": "audio/pcm", "rate": 24000}},
-                            "output": {"format": fmt},
-                        },
-                    },
-                }
-            )
-        )
+        output: dict[str, Any] = {"format": fmt}
+        session: dict[str, Any] = {
+            "type": "realtime",
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}, "output": output},
+        }
+        if "voice_prompt" in self.prompt:
+            output["voice"] = self.prompt["voice_prompt"]
+        if "text_prompt" in self.prompt:
+            session["instructions"] = self.prompt["text_prompt"]
+        self.ws.send_text(json.dumps({"type": "session.update", "session": session}))
         await asyncio.wait_for(self._future("ready"), timeout)
 
     def send_audio(self, chunk: bytes | memoryview) -> None:

@@ -1,11 +1,17 @@
-// The talk page: microphone -> 80 ms pcm_f32le frames over duplex/1 -> jitter buffer -> speaker.
-// No build step: a plain ES module served as a static file next to index.html.
+// The talk page: microphone -> model -> speaker, both ways at once. Over WebRTC (the
+// default where it connects, webrtc.js): Opus tracks and Realtime events on a data channel.
+// Otherwise over the WebSocket: 80 ms pcm_f32le frames over duplex/1 -> jitter buffer -> speaker.
+// No build step: plain ES modules served as static files next to index.html.
+
+import { CallRefused, callFigures, closeCall, openCall } from "./webrtc.js";
 
 const RATE = 24000;
 const FRAME_SAMPLES = 1920;
 const FRAME_MS = 80;
 const RTT_WINDOW = 64; // round trips kept for the median
 const SENT_RING = 4096; // send times by frame index, for the round trip of frame i
+const CALL_TIMEOUT_MS = 6000; // WebRTC not connected by then: the WebSocket instead
+const RECORD_FRAMES = 400; // 32 s of what was sent and heard (WebRTC), for the browser test
 
 const $ = (id) => document.getElementById(id);
 
@@ -29,8 +35,28 @@ const stats = {
   maxOutputPeak: 0,
   closeReason: null,
   error: null,
+  transport: null, // "webrtc" or "websocket" once connected
+  iceLocal: null,
+  iceRemote: null,
 };
 window.duplexStats = stats;
+
+// WebRTC: the microphone as sent and the model as heard, 24 kHz, on one clock (both are
+// captured by the same audio graph), so a test can line them up.
+const recording = { sent: [], heard: [] };
+function keep(list, frame) {
+  list.push(frame.slice());
+  if (list.length > RECORD_FRAMES) list.shift();
+}
+function base64(frames) {
+  const all = new Float32Array(frames.length * FRAME_SAMPLES);
+  frames.forEach((f, i) => all.set(f, i * FRAME_SAMPLES));
+  const bytes = new Uint8Array(all.buffer);
+  let text = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+window.duplexRecording = () => ({ rate: RATE, sent: base64(recording.sent), heard: base64(recording.heard) });
 
 let ctx = null;
 let ws = null;
@@ -39,6 +65,9 @@ let capture = null;
 let player = null;
 let sentAt = new Float64Array(SENT_RING);
 let rtts = [];
+let call = null; // WebRTC: { pc, channel, remote, location }
+let heard = null; // WebRTC: the capture node on the model's voice
+let figuresTimer = null;
 
 function socketUrl() {
   const url = new URL("v1/duplex", document.baseURI);
@@ -76,9 +105,12 @@ async function start() {
   Object.assign(stats, {
     sessionId: null, framesSent: 0, framesReceived: 0, textDeltas: 0, text: "", rttMs: null,
     rttP50Ms: null, bufferMs: 0, underruns: 0, droppedMs: 0, maxOutputPeak: 0, closeReason: null,
+    transport: null, iceLocal: null, iceRemote: null,
   });
   $("transcript").textContent = "";
   rtts = [];
+  recording.sent = [];
+  recording.heard = [];
   sentAt = new Float64Array(SENT_RING);
   setState("connecting");
   try {
@@ -91,29 +123,114 @@ async function start() {
     mic = await navigator.mediaDevices.getUserMedia({
       audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
     });
-    player = new AudioWorkletNode(ctx, "playback", {
-      numberOfInputs: 0,
-      outputChannelCount: [1],
-      processorOptions: { prebuffer: prebufferSamples() },
-    });
-    player.port.onmessage = (event) => {
-      const m = event.data;
-      stats.bufferMs = (m.depth / RATE) * 1000;
-      stats.underruns = m.underruns;
-      stats.droppedMs = (m.dropped / RATE) * 1000;
-    };
-    player.connect(ctx.destination);
-    await openSocket();
-    capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 1, numberOfOutputs: 1 });
-    capture.port.onmessage = (event) => sendFrame(event.data);
-    // The capture node outputs silence; connecting it keeps it pulled by the audio graph.
-    ctx.createMediaStreamSource(mic).connect(capture).connect(ctx.destination);
-    await ctx.resume();
-    setState("live");
+    const mode = $("transport").value;
+    if (mode !== "websocket" && window.RTCPeerConnection) {
+      try {
+        await startCall();
+        return;
+      } catch (err) {
+        if (mode === "webrtc" || err instanceof CallRefused) throw err;
+        closeCall(call);
+        call = null;
+        console.info(`WebRTC did not connect (${err.message}): the WebSocket instead`);
+      }
+    }
+    await startSocket();
   } catch (err) {
     showError(String(err.message || err));
     teardown();
   }
+}
+
+// WebRTC: the call carries the microphone and the model's voice; the page only listens in.
+async function startCall() {
+  const token = new URLSearchParams(location.search).get("token");
+  call = await openCall({ mic, token, onEvent: realtimeEvent, timeoutMs: CALL_TIMEOUT_MS });
+  stats.transport = "webrtc";
+  const voice = ctx.createMediaStreamSource(call.remote);
+  voice.connect(ctx.destination);
+  // Two capture nodes made together: the microphone and the voice on one frame clock.
+  capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 1, numberOfOutputs: 1 });
+  heard = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 1, numberOfOutputs: 1 });
+  capture.port.onmessage = (event) => micFrame(event.data);
+  heard.port.onmessage = (event) => heardFrame(event.data);
+  ctx.createMediaStreamSource(mic).connect(capture).connect(ctx.destination);
+  voice.connect(heard).connect(ctx.destination);
+  figuresTimer = setInterval(readFigures, 500);
+  await ctx.resume();
+  setState("live");
+}
+
+function realtimeEvent(msg) {
+  if (msg.type === "session.created") {
+    Object.assign(stats, { sessionId: msg.session.id, engine: "realtime", model: msg.session.model });
+  } else if (msg.type === "response.output_audio_transcript.delta") {
+    addText(msg.delta);
+  } else if (msg.type === "error") {
+    showError(`${msg.error.code}: ${msg.error.message}`);
+  } else if (msg.type === "session.closed") {
+    stats.closeReason = msg.reason;
+  }
+}
+
+function micFrame({ frame, peak }) {
+  stats.inputPeak = peak;
+  if (stats.state !== "live") return;
+  stats.framesSent += 1;
+  keep(recording.sent, frame);
+}
+
+function heardFrame({ frame, peak }) {
+  stats.framesReceived += 1;
+  stats.outputPeak = peak;
+  if (peak > stats.maxOutputPeak) stats.maxOutputPeak = peak;
+  keep(recording.heard, frame);
+}
+
+async function readFigures() {
+  if (!call) return;
+  const f = await callFigures(call.pc);
+  if (f.rttMs !== undefined) {
+    stats.rttMs = f.rttMs;
+    rtts.push(f.rttMs);
+    if (rtts.length > RTT_WINDOW) rtts.shift();
+    stats.rttP50Ms = median(rtts);
+  }
+  if (f.bufferMs !== undefined) stats.bufferMs = f.bufferMs;
+  if (f.concealmentEvents !== undefined) stats.underruns = f.concealmentEvents;
+  stats.iceLocal = f.iceLocal || stats.iceLocal;
+  stats.iceRemote = f.iceRemote || stats.iceRemote;
+}
+
+function addText(text) {
+  stats.textDeltas += 1;
+  stats.text += text;
+  $("transcript").textContent = stats.text;
+  $("transcript").scrollTop = $("transcript").scrollHeight;
+}
+
+// The WebSocket: 80 ms frames of pcm_f32le both ways, played through the page's own jitter buffer.
+async function startSocket() {
+  player = new AudioWorkletNode(ctx, "playback", {
+    numberOfInputs: 0,
+    outputChannelCount: [1],
+    processorOptions: { prebuffer: prebufferSamples() },
+  });
+  player.port.onmessage = (event) => {
+    const m = event.data;
+    stats.bufferMs = (m.depth / RATE) * 1000;
+    stats.underruns = m.underruns;
+    stats.droppedMs = (m.dropped / RATE) * 1000;
+  };
+  player.connect(ctx.destination);
+  await openSocket();
+  stats.transport = "websocket";
+  capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 1, numberOfOutputs: 1 });
+  capture.port.onmessage = (event) => sendFrame(event.data);
+  // The capture node outputs silence; connecting it keeps it pulled by the audio graph.
+  ctx.createMediaStreamSource(mic).connect(capture).connect(ctx.destination);
+  await ctx.resume();
+  setState("live");
 }
 
 function prebufferSamples() {
@@ -136,10 +253,7 @@ function openSocket() {
         Object.assign(stats, { sessionId: msg.session_id, engine: msg.engine, model: msg.model });
         resolve();
       } else if (msg.type === "text.delta") {
-        stats.textDeltas += 1;
-        stats.text += msg.text;
-        $("transcript").textContent = stats.text;
-        $("transcript").scrollTop = $("transcript").scrollHeight;
+        addText(msg.text);
       } else if (msg.type === "error") {
         showError(`${msg.code}: ${msg.message}`);
       } else if (msg.type === "session.closed") {
@@ -202,11 +316,17 @@ function receiveFrame(buffer) {
 }
 
 // Stop: no more microphone audio; the server answers every frame already sent, then closes.
+// A call has no end of input: the page hears the answer's tail out, then hangs up.
 function stop() {
   setState("ending");
   if (capture) capture.disconnect();
   if (mic) mic.getTracks().forEach((t) => t.stop());
-  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "input.end" }));
+  if (call) {
+    setTimeout(() => {
+      if (!stats.closeReason) stats.closeReason = "hung up";
+      teardown();
+    }, (stats.bufferMs || 0) + 4 * FRAME_MS);
+  } else if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "input.end" }));
   else finish();
 }
 
@@ -221,8 +341,10 @@ function finish() {
 function teardown() {
   if (mic) mic.getTracks().forEach((t) => t.stop());
   if (ws && ws.readyState <= WebSocket.OPEN) ws.close();
+  closeCall(call);
+  clearInterval(figuresTimer);
   if (ctx) ctx.close();
-  ctx = ws = mic = capture = player = null;
+  ctx = ws = mic = capture = player = call = heard = figuresTimer = null;
   stats.inputPeak = stats.outputPeak = 0;
   setState("idle");
 }
@@ -250,6 +372,7 @@ function render() {
   $("session").textContent = stats.sessionId
     ? `${stats.sessionId} · ${stats.engine} · ${stats.model}`
     : "no session";
+  $("transport-used").textContent = stats.transport || "–";
   $("closed").textContent = stats.closeReason ? `last session: ${stats.closeReason}` : "";
   shownIn = Math.max(stats.inputPeak, shownIn * 0.92);
   shownOut = Math.max(stats.outputPeak, shownOut * 0.92);
@@ -259,6 +382,8 @@ function render() {
 }
 
 $("talk").addEventListener("click", () => (stats.state === "live" ? stop() : start()));
+const asked = new URLSearchParams(location.search).get("transport"); // ?transport=websocket
+if (["auto", "webrtc", "websocket"].includes(asked)) $("transport").value = asked;
 $("prebuffer").addEventListener("change", () => {
   if (player) player.port.postMessage({ prebuffer: prebufferSamples() });
 });
