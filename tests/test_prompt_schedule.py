@@ -10,6 +10,7 @@ on the loop, and a prompt for a session that ended meanwhile is answered too.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -84,3 +85,43 @@ def test_at_most_one_prefill_runs_between_two_steps():
         assert since_step <= 1, calls
     first, second = (i for i, call in enumerate(calls) if call[0] == "prefill")
     assert any(kind == "step" for kind, _ in calls[first:second])
+
+
+def test_prompts_seen_before_run_between_steps_for_a_bounded_time():
+    """A burst of sessions with a prompt the engine has seen (each a copy, here 15 ms) is
+    spread over the live session's steps: at most two copies between two steps (the
+    budget is 20 ms; a copy that overruns it alone makes one)."""
+
+    class SlowCopies(RecordingEngine):
+        def prompt(self, slot: int, params: dict[str, Any]) -> None:
+            time.sleep(0.015)
+            super().prompt(slot, params)
+
+    async def main() -> list:
+        engine = SlowCopies()
+        engine.seen.add("persona")
+        bridge = EngineBridge(engine, lambda outputs: None)
+        await bridge.start()
+        done: list[int] = []
+        try:
+            bridge.open(0, 1, {})
+            frame = np.zeros(1920, np.float32)
+            for slot in range(1, 7):
+                bridge.open(slot, 1, {})
+                bridge.prompt(slot, 1, {"text_prompt": "persona"}, lambda o, s=slot: done.append(s))
+            for _ in range(8):  # frames due all along: a step between every two rounds of prompts
+                bridge.try_submit((0, 1, frame))
+            for _ in range(100):
+                if len(done) == 6:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await bridge.stop()
+        return engine.calls
+
+    calls = asyncio.run(main())
+    assert [slot for kind, slot in calls if kind == "cached"] == [1, 2, 3, 4, 5, 6]
+    run = 0
+    for kind, _ in calls:
+        run = 0 if kind == "step" else run + 1
+        assert run <= 2, calls
