@@ -48,29 +48,35 @@ def _load() -> ctypes.CDLL | None:
     candidates.append("libopus.so.0")  # find_library needs ldconfig or gcc; the soname may still load
     for cand in candidates:
         try:
-            lib = ctypes.CDLL(cand)
+            return bind(ctypes.CDLL(cand))
         except OSError:
             continue
-        lib.opus_encoder_create.restype = ctypes.c_void_p
-        lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int,
-                                            ctypes.POINTER(ctypes.c_int)]
-        lib.opus_encoder_destroy.restype = None
-        lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
-        lib.opus_encode_float.restype = ctypes.c_int32
-        lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                          ctypes.c_void_p, ctypes.c_int32]
-        lib.opus_encoder_ctl.restype = ctypes.c_int
-        lib.opus_decoder_create.restype = ctypes.c_void_p
-        lib.opus_decoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-        lib.opus_decoder_destroy.restype = None
-        lib.opus_decoder_destroy.argtypes = [ctypes.c_void_p]
-        lib.opus_decode_float.restype = ctypes.c_int
-        lib.opus_decode_float.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
-                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        # opus_encoder_ctl is variadic: argtypes stay unset, arguments are passed as
-        # explicit c_int / pointer values at each call.
-        return lib
     return None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the prototypes of the libopus calls the codecs make (any copy of libopus)."""
+    lib.opus_encoder_create.restype = ctypes.c_void_p
+    lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int,
+                                        ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    lib.opus_encoder_destroy.restype = None
+    lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
+    lib.opus_encode_float.restype = ctypes.c_int32
+    lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_int32]  # fmt: skip
+    lib.opus_encoder_ctl.restype = ctypes.c_int
+    lib.opus_decoder_create.restype = ctypes.c_void_p
+    lib.opus_decoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.opus_decoder_destroy.restype = None
+    lib.opus_decoder_destroy.argtypes = [ctypes.c_void_p]
+    lib.opus_decode_float.restype = ctypes.c_int
+    lib.opus_decode_float.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.c_void_p,
+                                      ctypes.c_int, ctypes.c_int]  # fmt: skip
+    lib.opus_packet_get_nb_samples.restype = ctypes.c_int
+    lib.opus_packet_get_nb_samples.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
+    # opus_encoder_ctl and opus_decoder_ctl are variadic: argtypes stay unset, arguments are
+    # passed as explicit c_int / pointer values at each call.
+    return lib
 
 
 LIBOPUS = None if os.environ.get("DUPLEXSERVE_NO_LIBOPUS") else _load()

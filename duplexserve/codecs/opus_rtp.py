@@ -26,6 +26,7 @@ from duplexserve.codecs.libopus import (
     OPUS_OK,
     OPUS_SET_BITRATE,
     OPUS_SET_COMPLEXITY,
+    bind,
 )
 
 OPUS_SET_INBAND_FEC = 4012
@@ -52,29 +53,8 @@ def _bundled() -> ctypes.CDLL | None:
     return None
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.opus_decoder_create.restype = ctypes.c_void_p
-    lib.opus_decoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-    lib.opus_decoder_destroy.restype = None
-    lib.opus_decoder_destroy.argtypes = [ctypes.c_void_p]
-    lib.opus_decode_float.restype = ctypes.c_int
-    lib.opus_decode_float.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
-                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.opus_encoder_create.restype = ctypes.c_void_p
-    lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int,
-                                        ctypes.POINTER(ctypes.c_int)]
-    lib.opus_encoder_destroy.restype = None
-    lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
-    lib.opus_encode_float.restype = ctypes.c_int32
-    lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_int32]
-    lib.opus_packet_get_nb_samples.restype = ctypes.c_int
-    lib.opus_packet_get_nb_samples.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
-    return lib
-
-
 _LIB = LIBOPUS if LIBOPUS is not None else _bundled()
-OPUS: ctypes.CDLL | None = _bind(_LIB) if _LIB is not None else None
+OPUS: ctypes.CDLL | None = bind(_LIB) if _LIB is not None else None
 
 
 def _lib() -> ctypes.CDLL:
