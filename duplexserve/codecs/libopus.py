@@ -74,7 +74,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                       ctypes.c_int, ctypes.c_int]  # fmt: skip
     lib.opus_packet_get_nb_samples.restype = ctypes.c_int
     lib.opus_packet_get_nb_samples.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
-    # opus_encoder_ctl and opus_decoder_ctl are variadic: argtypes stay unset, arguments are
+    # opus_encoder_ctl is variadic: its argtypes stay unset, arguments are
     # passed as explicit c_int / pointer values at each call.
     return lib
 
