@@ -229,12 +229,15 @@ def call_in_chromium(server: Any, tmp_path: Path) -> None:
 
         # What the page heard is what it sent, some 100-300 ms later (one audio clock: both
         # recorded by the page's own graph): two Opus passes and two jitter buffers apart.
+        # In pieces of 400 ms, each at its own lag: Chromium's jitter buffer stretches and
+        # squeezes time a little as it adapts, which one lag for seconds would not follow.
         recording = page.evaluate("window.duplexRecording()")
         sent, heard = _floats(recording["sent"]), _floats(recording["heard"])
-        start = 2 * 24000  # past the first answer's start
-        lag, corr = best_lag(sent[start : start + 2 * 24000], heard[start:], 24000)
-        print(f"heard = sent {1000 * lag / 24000:.0f} ms later, correlation {corr:.3f}")
-        assert corr > 0.7 and lag > 0, (lag, corr, live)
+        piece, starts = 9600, range(48000, 48000 + 8 * 9600, 9600)
+        found = [best_lag(sent[at : at + piece], heard[at:], 12000) for at in starts]
+        lags, corrs = [lag for lag, _ in found], [corr for _, corr in found]
+        print(f"heard = sent {[round(lag / 24) for lag in lags]} ms later, correlation {np.round(corrs, 2)}")
+        assert float(np.median(corrs)) > 0.75 and 0 < float(np.median(lags)) < 12000, (found, live)
 
         page.click("#talk")  # hang up
         page.wait_for_function(

@@ -165,10 +165,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", type=float, default=0.0, help="webrtc: share of the packets sent dropped")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="webrtc: each packet sent held 0 to this")
     p.add_argument("--complexity", type=int, default=5, help="the server's --opus-complexity")
-    p.add_argument("--server-flags", default="--codec-processes 0", help="more flags for the server")
+    p.add_argument("--server-flags", default="--codec-processes 0 --webrtc-jitter-frames 10",
+                   help="more flags for the server (a deep jitter buffer: the client's stalls on a shared "
+                        "machine would be concealed, which fails the exact-answer guard; no CPU changes)")
     p.add_argument("--server-cpus", default="0",
                    help="pin the server (and its codec workers) to these cores; the client on the others")
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--tree", action="append", default=[],
+                   help="NAME=DIR: a server from that checkout (repeatable: an A/B, levels interleaved); "
+                        "default this one")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every level this often, trees interleaved")
     p.add_argument("--json", help="write every result here")
 
 
@@ -178,40 +184,46 @@ def run(args: argparse.Namespace) -> int:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - cores)  # the client keeps off them
     flags = ["--ice-host-addresses", "127.0.0.1", "--max-sessions", "1024", "--idle-timeout-s", "120",
              "--opus-complexity", str(args.complexity), *args.server_flags.split()]  # fmt: skip
-    proc, port = serve_tree(ROOT, flags, cpus=args.server_cpus)
-    http = f"http://127.0.0.1:{port}"
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this": ROOT}
+    servers: dict[str, tuple[Any, str]] = {}
     results = []
     try:
-        for protocol in args.protocol.split(","):  # warm-up: code loaded, workers started
-            url = http.replace("http://", "ws://")
-            run_load(LoadSpec(url=url, protocol=protocol, concurrency=2, sessions=2, frames=13,
-                              scrape_metrics=False, expect="none", **_formats(protocol)))
+        for name, tree in trees.items():
+            proc, port = serve_tree(os.path.abspath(tree), flags, cpus=args.server_cpus)
+            servers[name] = (proc, f"http://127.0.0.1:{port}")
+            for protocol in args.protocol.split(","):  # warm-up: code loaded, workers started
+                url = servers[name][1].replace("http://", "ws://")
+                run_load(LoadSpec(url=url, protocol=protocol, concurrency=2, sessions=2, frames=13,
+                                  scrape_metrics=False, expect="none", **_formats(protocol)))  # fmt: skip
         variants = [(p, int(ms)) for p in args.protocol.split(",")
                     for ms in (args.packet_ms.split(",") if p == "webrtc" else ["80"])]  # fmt: skip
         for level in (int(x) for x in args.sessions.split(",")):
-            for protocol, packet_ms in variants:
-                r = run_level(args, http, protocol, level, packet_ms)
-                r["load_average"] = round(os.getloadavg()[0], 2)
-                results.append(r)
-                print(json.dumps(r), flush=True)
-                time.sleep(1.0)  # the last calls closed before the next level
+            for rnd in range(args.rounds):
+                for protocol, packet_ms in variants:
+                    for name, (_, http) in servers.items():
+                        r = run_level(args, http, protocol, level, packet_ms)
+                        r.update(tree=name, round=rnd, load_average=round(os.getloadavg()[0], 2))
+                        results.append(r)
+                        print(json.dumps(r), flush=True)
+                        time.sleep(1.0)  # the last calls closed before the next level
     finally:
-        proc.terminate()
-        proc.wait(20)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(20)
     _table(results)
     if args.json:
         with open(args.json, "w") as f:
-            options = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | None)}
+            options = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | list | None)}
             json.dump({"args": options, "cpu_count": os.cpu_count(), "levels": results}, f, indent=1)
     return 0 if all(r["guards_ok"] for r in results) else 1
 
 
 def _table(results: list[dict[str, Any]]) -> None:
-    print(f"{'protocol':<9} {'sessions':>8} {'server us/frame':>16} {'(loop+codec)':>14} {'core':>6} "
-          f"{'frames/s/session':>17} {'late':>5} {'held':>5} {'rt p99 ms':>9} {'client busy':>11}")
+    print(f"{'tree':<8} {'protocol':<9} {'sessions':>8} {'server us/frame':>16} {'(loop+codec)':>14} "
+          f"{'core':>6} {'frames/s/session':>17} {'late':>5} {'held':>5} {'rt p99 ms':>9} {'client':>6}")
     for r in results:
-        print(f"{r['protocol']:<9} {r['sessions']:>8} {r.get('server_us', math.nan):>16} "
+        print(f"{r['tree']:<8} {r['protocol']:<9} {r['sessions']:>8} {r.get('server_us', math.nan):>16} "
               f"{r.get('loop_process_us', math.nan):>7}+{r.get('codec_workers_us', math.nan):<6} "
               f"{r.get('server_core_share', math.nan):>6} {r.get('frames_per_session_s', math.nan):>17} "
               f"{r.get('server_late_frames', math.nan):>5} {r['held']!s:>5} {r['rt_p99_ms']:>9} "
-              f"{r['client_busy']:>11}")  # fmt: skip
+              f"{r['client_busy']:>6}")  # fmt: skip

@@ -14,10 +14,14 @@ that :class:`Connection` reads and writes) and the media track instead of
 limits, drain, resume rules (none: a Realtime session ends with its connection) and the
 turnaround figures are the same as every protocol's.
 
-Incoming audio is played out on the call's own clock: one model frame every 80 ms from
-the call's jitter buffer (server/webrtc_jitter.py), packets that did not come in time
+Incoming audio is played out on the call's clock: one model frame every 80 ms from the
+call's jitter buffer (server/webrtc_jitter.py), packets that did not come in time
 concealed or recovered by libopus, so the model is fed on time whatever the network
-does. aiortc runs on the server's event loop (docs/benchmarks.md has its cost per frame).
+does. The calls share one clock in a few phases (server/webrtc_clock.py), so that their
+frames reach the engine together. The Opus packets go in and out beside aiortc's
+per-packet tasks (server/webrtc_rtp.py), one 80 ms packet a frame out where the peer
+allows (``--webrtc-packet-ms``). aiortc runs on the server's event loop
+(docs/benchmarks.md has its cost per frame, and why it stays there).
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ from duplexserve import errors
 from duplexserve.codecs.opus_rtp import RtpOpusDecoder, RtpOpusEncoder, packet_samples
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
-from duplexserve.server import auth, webrtc_peer
+from duplexserve.server import auth, webrtc_peer, webrtc_rtp
 from duplexserve.server.client_secrets import ClientSecrets
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.realtime import ClientEventError, RealtimeConnection
 from duplexserve.server.realtime_responses import Mode
 from duplexserve.server.session import SILENCE
+from duplexserve.server.webrtc_clock import PlayClock
 from duplexserve.server.webrtc_jitter import CONCEAL, DECODE, JitterBuffer, JitterCounts
 
 log = logging.getLogger(__name__)
@@ -62,8 +67,6 @@ MAX_OFFER_BYTES = 64 * 1024
 MAX_INBOX = 1024
 #: Events kept for a data channel not yet open at most (session.created and its like).
 MAX_UNSENT = 256
-#: Ticks a late clock may run at once to catch up; further behind, it starts again from now.
-MAX_CATCH_UP = 5
 #: How long a hung-up call keeps its peer connection, for the last events to leave.
 LINGER_S = 0.2
 
@@ -149,8 +152,10 @@ class WebRTCConnection(RealtimeConnection):
         codec_procs: CodecProcesses | None,
         call_id: str,
         session_config: dict[str, Any] | None,
+        clock: PlayClock | None = None,
     ) -> None:
         super().__init__(scope, socket.receive, socket.send, orchestrator, config, codec_pool, codec_procs)
+        self.clock = clock if clock is not None else PlayClock(self._loop)
         self.call_id = call_id
         self.socket = socket
         socket.on_close = self.hang_up
@@ -164,12 +169,13 @@ class WebRTCConnection(RealtimeConnection):
         self.opus_in = RtpOpusDecoder()
         self.opus_out = RtpOpusEncoder(config.opus_complexity, fec=config.webrtc_output_fec)
         self.track = webrtc_peer.OutgoingAudio()
+        self.rtp_out: webrtc_rtp.RtpSendStream | None = None  # attach: our own RTP for the track
+        self._fast_out: bool | None = None  # decided at the first packet: our RTP, or aiortc's
         self.packet_ms = config.webrtc_packet_ms  # the Opus packets sent (attach: the peer's maxptime)
         self.pc: Any = None
         self.frames_skipped = 0  # whole frames not fed: the engine was behind (input paused)
         self.decode_errors = 0
-        self._tick: asyncio.TimerHandle | None = None
-        self._due = 0.0
+        self._playing = False  # on the clock
         self._arrival = 0.0
         self._hung_up = False
 
@@ -207,25 +213,18 @@ class WebRTCConnection(RealtimeConnection):
         first = not jitter.started
         jitter.push(timestamp, payload)
         session = self.session
-        if first and self._tick is None and session is not None and not session.closed:
+        if first and not self._playing and session is not None and not session.closed:
             # The first frame's last packet comes 60 ms after its first: play it ``depth``
-            # packets after that, and every 80 ms from there.
-            self._due = now + FRAME_S - PACKET_S + jitter.depth * PACKET_S
-            self._tick = self._loop.call_at(self._due, self._on_tick)
+            # packets after that (at the clock's next phase), and every 80 ms from there.
+            self._playing = True
+            self.clock.join(self, now + FRAME_S - PACKET_S + jitter.depth * PACKET_S, self._on_tick)
 
     def _on_tick(self) -> None:
-        self._tick = None
         session = self.session
         if session is None or session.closed or self._hung_up:
+            self.clock.leave(self)
             return
-        now, ran = self._loop.time(), 0
-        while self._due <= now and ran < MAX_CATCH_UP:
-            self._play(session)
-            self._due += FRAME_S
-            ran += 1
-        if self._due <= now:  # the loop stood still for long: start the clock again from now
-            self._due = now + FRAME_S
-        self._tick = self._loop.call_at(self._due, self._on_tick)
+        self._play(session)
 
     def _play(self, session: Any) -> None:
         """One model frame of the stream, as the jitter buffer says, into the session."""
@@ -268,7 +267,14 @@ class WebRTCConnection(RealtimeConnection):
             if response is None and responses.mode is Mode.MUTED:
                 audio = SILENCE  # response.cancel: the rest of that speech is not heard
             ms = self.packet_ms
-            self.track.push(self.opus_out.encode(audio, ms * 24), ms * 48)  # 24 kHz in, 48 kHz RTP clock
+            packets = self.opus_out.encode(audio, ms * 24)  # 24 kHz in, 48 kHz RTP clock out
+            fast = self._fast_out
+            if fast is None:  # one path for the whole call: two would break the sequence numbers
+                fast = self._fast_out = self.rtp_out is not None and self.rtp_out.ready()
+            if fast:
+                self.rtp_out.push(packets, ms * 48)  # type: ignore[union-attr]
+            else:
+                self.track.push(packets, ms * 48)
             for event in after:
                 await self._emit(event)
                 if event["type"] == "response.done":
@@ -304,8 +310,9 @@ class WebRTCConnection(RealtimeConnection):
         for transceiver in pc.getTransceivers():
             if transceiver.kind == "audio":
                 webrtc_peer.tap_audio(transceiver.receiver, opus_types, self.on_packet)
+                webrtc_rtp.fast_audio(transceiver.receiver, opus_types, self.on_packet)
                 break
-        pc.addTrack(self.track)
+        self.rtp_out = webrtc_rtp.RtpSendStream(pc.addTrack(self.track))
 
         @pc.on("datachannel")
         def on_datachannel(channel: Any) -> None:
@@ -321,9 +328,7 @@ class WebRTCConnection(RealtimeConnection):
         """The session's close went out (or the call is being torn down): stop the clock;
         the peer connection closes once the last events had a moment to leave."""
         self._hung_up = True
-        if self._tick is not None:
-            self._tick.cancel()
-            self._tick = None
+        self.clock.leave(self)
         self.socket.end()
 
     async def teardown(self) -> None:
@@ -389,6 +394,7 @@ class WebRTCCalls:
         self.ended_counts = JitterCounts()
         self.ended_skipped = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._clock: PlayClock | None = None  # made on the loop, with the first call
 
     def add_routes(self, app: FastAPI) -> None:
         app.post("/v1/realtime/calls")(self.create)
@@ -498,9 +504,12 @@ class WebRTCCalls:
             "type": "websocket", "path": "/v1/realtime/calls", "headers": headers, "subprotocols": [],
             "query_string": request.scope.get("query_string", b""), "client": request.scope.get("client"),
         }  # fmt: skip
+        if self._clock is None:
+            self._clock = PlayClock(asyncio.get_running_loop())
         conn = WebRTCConnection(
-            scope, socket, self.orch, self.config, self.codec_pool, self.codec_procs, call_id, config
-        )
+            scope, socket, self.orch, self.config, self.codec_pool, self.codec_procs, call_id, config,
+            self._clock,
+        )  # fmt: skip
         conn.attach(pc, opus, webrtc_peer.packet_ms(offer, self.config.webrtc_packet_ms))
         task = asyncio.create_task(self._serve(conn), name=f"webrtc-{call_id}")
         self._tasks.add(task)

@@ -5,16 +5,18 @@ channel, POSTs the offer (``application/sdp``, the key of the URL's ``?token=`` 
 query), and waits for ``session.created`` on the channel before audio. The runner's
 audio (``pcm_f32le`` at 24 kHz) goes out as 20 ms Opus packets with in-band FEC, as
 browsers send it: one message of ``--message-ms 20`` is one packet on the pacer's
-schedule, a longer message its packets back to back. The server's packets are taken
-from the RTP receiver before aiortc's own jitter buffer and decoder thread (the
-server's tap, server/webrtc_peer.py), grouped into 80 ms frames
+schedule, a longer message its packets back to back, as RTP of the peer's own
+(server/webrtc_rtp.py; through aiortc's sender where the network is impaired). The
+server's packets are taken as they arrive, before aiortc's own jitter buffer and
+decoder thread (the server's fast path, server/webrtc_rtp.py), grouped into 80 ms frames
 (:class:`~duplexserve.loadgen.webrtc_audio.FrameAssembler`), decoded by libopus, and
 each frame is one output frame for the sink, timed from its last packet.
 
 With ``--expect echo`` the answers are predicted byte for byte by replaying the
 server's Opus path on what this peer sent (:class:`~duplexserve.loadgen.webrtc_audio.EchoReplay`),
 with the server's ``--opus-complexity`` and ``--webrtc-output-fec`` given to the
-loadgen; with ``--expect none`` nothing is decoded and only the frames are counted. The
+loadgen; with ``--expect none`` nothing is decoded and only the frames are counted, and
+each 20 ms chunk of the signal is encoded once a process for every peer. The
 offer says ``a=maxptime`` of ``--webrtc-packet-ms`` (80 by default, as the server
 sends): the server sends packets that long unless its own ``--webrtc-packet-ms`` is
 shorter, which the replay cannot know (then the content guard fails: pass the same).
@@ -51,7 +53,7 @@ from duplexserve.codecs import FRAME_SAMPLES, AudioFormat
 from duplexserve.codecs.opus_rtp import PACKET_SAMPLES, RtpOpusDecoder, RtpOpusEncoder, packet_samples
 from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
 from duplexserve.loadgen.webrtc_audio import EchoReplay, FrameAssembler, decode_frame
-from duplexserve.server import webrtc_peer
+from duplexserve.server import webrtc_peer, webrtc_rtp
 
 CHANNEL = "oai-events"
 #: This peer's Opus: cheap to encode (the client's CPU is what limits a run), in-band FEC on
@@ -59,6 +61,11 @@ CHANNEL = "oai-events"
 CLIENT_COMPLEXITY = 0
 _counter = itertools.count()
 _closing: set[asyncio.Task[None]] = set()  # peer connections being closed, kept from the GC
+#: --expect none: each 20 ms chunk of the signal encoded once a process, for every session
+#: (the server's work is the same; the client's is what limits a run).
+_ENCODED: dict[bytes, list[bytes]] = {}
+MAX_ENCODED = 50_000  # chunks (10 MB or so): a new signal's start over
+PACKET_TS = 960
 
 monotonic = time.monotonic
 
@@ -179,6 +186,8 @@ class WebRTCDriver(HangUpWhenAnswered):
         self.replay = EchoReplay(self.server_complexity, self.server_fec, self.packet_ms) if replay else None
         self.assembler = FrameAssembler(packet_samples)
         self.impaired: dict[str, int] = {}
+        self.rtp_out: webrtc_rtp.RtpSendStream | None = None
+        self._fast_out: bool | None = None
         self._samples_sent = 0
         self._session_id = ""
         self._silent_frame = bytes(4 * FRAME_SAMPLES)
@@ -195,6 +204,7 @@ class WebRTCDriver(HangUpWhenAnswered):
         pc = self.pc = webrtc_peer.new_peer([])
         self.track = webrtc_peer.OutgoingAudio()
         self.sender = pc.addTrack(self.track)
+        self.rtp_out = webrtc_rtp.RtpSendStream(self.sender)  # our own RTP, unless impaired
         channel = self.channel = pc.createDataChannel(CHANNEL)
         channel.on("message", self._on_message)
         channel.on("close", lambda: self._lost("the oai-events channel closed"))
@@ -211,6 +221,7 @@ class WebRTCDriver(HangUpWhenAnswered):
                 if c.mimeType.lower() == "audio/opus"}  # fmt: skip
         receiver = next(t.receiver for t in pc.getTransceivers() if t.kind == "audio")
         webrtc_peer.tap_audio(receiver, opus, self._on_packet)
+        webrtc_rtp.fast_audio(receiver, opus, self._on_packet)
         await pc.setRemoteDescription(webrtc_peer.RTCSessionDescription(answer, "answer"))
         if self.loss or self.jitter_ms:
             self.impaired = impair(self.sender, self.loss, self.jitter_ms, self.seed * 1000 + next(_counter))
@@ -237,11 +248,24 @@ class WebRTCDriver(HangUpWhenAnswered):
         pcm = np.frombuffer(chunk, dtype="<f4")
         if len(pcm) % PACKET_SAMPLES:  # only whole 20 ms packets: the rest of the last one silent
             pcm = np.pad(pcm, (0, PACKET_SAMPLES - len(pcm) % PACKET_SAMPLES))
-        packets = self.encoder.encode(pcm)
-        self.track.push(packets)
-        self._samples_sent += len(pcm)
-        if self.replay is not None:
+        if self.replay is None:  # nothing is checked: one encoding of each chunk a process
+            key = pcm.tobytes()
+            packets = _ENCODED.get(key)
+            if packets is None:
+                if len(_ENCODED) > MAX_ENCODED:
+                    _ENCODED.clear()
+                packets = _ENCODED[key] = self.encoder.encode(pcm)
+        else:
+            packets = self.encoder.encode(pcm)
             self.replay.sent(pcm, packets)
+        fast = self._fast_out
+        if fast is None:  # one path for the whole call: two would break the sequence numbers
+            fast = self._fast_out = not self.impaired and self.rtp_out is not None and self.rtp_out.ready()
+        if fast:
+            self.rtp_out.push(packets, PACKET_TS)  # type: ignore[union-attr]
+        else:
+            self.track.push(packets)
+        self._samples_sent += len(pcm)
 
     def answers(self, expected: list[bytes]) -> list[bytes]:
         replay = self.replay
