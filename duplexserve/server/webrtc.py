@@ -297,7 +297,7 @@ class WebRTCConnection(RealtimeConnection):
         return {
             **self.jitter.counts.as_dict(),
             "frames_skipped": self.frames_skipped, "decode_errors": self.decode_errors,
-            "packets_sent_dropped": self.track.dropped,
+            "packets_sent_dropped": self.track.dropped + (self.rtp_out.dropped if self.rtp_out else 0),
         }  # fmt: skip
 
     # ----------------------------------------------------------------- the peer

@@ -116,6 +116,7 @@ class RtpSendStream:
         self._timestamp = random.getrandbits(32)
         self._header: Callable[[int, int], bytes] | None = None
         self.sent = 0
+        self.dropped = 0  # packets the call was closing for
         original = sender.send
 
         async def send(parameters: Any) -> None:
@@ -139,13 +140,18 @@ class RtpSendStream:
         )  # fmt: skip
 
     def push(self, packets: list[bytes], duration: int) -> None:
-        """Send ``packets`` of ``duration`` RTP units (48 kHz) each, in order."""
+        """Send ``packets`` of ``duration`` RTP units (48 kHz) each, in order; nothing once
+        the call is closing (no nominated pair, no socket left)."""
         sender = self.sender
         dtls = sender.transport
+        pair = dtls.transport._connection._nominated.get(1)
+        transport = pair.protocol.transport if pair is not None else None
+        if transport is None or transport.is_closing() or dtls._tx_srtp is None:
+            self.dropped += len(packets)
+            return
         protect = dtls._tx_srtp.protect
-        pair = dtls.transport._connection._nominated[1]
         header = self._header or self._make_header()
-        sendto, address = pair.protocol.transport.sendto, pair.remote_addr
+        sendto, address = transport.sendto, pair.remote_addr
         octets = 0
         for payload in packets:
             sendto(protect(header(self._sequence, self._timestamp) + payload), address)
