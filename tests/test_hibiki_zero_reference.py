@@ -41,9 +41,9 @@ import numpy as np
 import pytest
 
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
-from duplexserve.engine_bridge.moshi.reference import FRAME, lm_tokens, server_loop
+from duplexserve.engine_bridge.moshi.reference import FRAME, server_loop
 from tests.test_moshi_checkpoints import moshi_models, write_checkpoint
-from tests.test_moshi_equivalence import signal
+from tests.test_moshi_equivalence import run_sessions, signal
 
 # (slot, first step, frames, steps skipped): slot 1 is taken again after its first session;
 # the 30-frame session passes the LM's context of 16 frames
@@ -179,36 +179,11 @@ def serve_as_hibiki_zero(state: Any, inputs: list[np.ndarray], monkeypatch) -> l
 
 
 def serve_batched(engine: MoshiEngine, sessions: list, inputs: list[np.ndarray]) -> list[tuple]:
-    """``sessions`` through the engine's batch: per session the tokens of every frame past
-    the delay, its audio out (a frame per input frame) and its text, by frame."""
-    sent = [0] * len(sessions)
-    audio: list[list[np.ndarray]] = [[] for _ in sessions]
-    tokens: list[list[np.ndarray]] = [[] for _ in sessions]
+    """``sessions`` through the engine's batch (``run_sessions``): per session the tokens of
+    every frame past the delay, its audio out (a frame per input frame) and its text, by frame."""
     text: list[dict[int, str]] = [{} for _ in sessions]
-    last = max(start + n + len(skips) for _, start, n, skips in sessions)
-    with lm_tokens(engine) as batch_tokens:
-        for step in range(last):
-            rows = []
-            for i, (slot, start, n, skips) in enumerate(sessions):
-                if step == start:
-                    engine.open(slot, {})
-                if step >= start and sent[i] < n and step not in skips:
-                    rows.append(i)
-            if not rows:
-                continue
-            slots = np.array([sessions[i][0] for i in rows])
-            result = engine.step(slots, np.stack([inputs[i][sent[i]] for i in rows]))
-            where = engine.rows_of(slots)
-            for row, i in enumerate(rows):
-                audio[i].append(result.audio[row].copy())
-                if sent[i] >= engine.delay_frames:
-                    tokens[i].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
-                if row in result.text:
-                    text[i][sent[i] - engine.delay_frames] = result.text[row]
-                sent[i] += 1
-                if sent[i] == sessions[i][2]:
-                    engine.close(sessions[i][0])
-    return [(np.stack(t), np.stack(a), x) for t, a, x in zip(tokens, audio, text, strict=True)]
+    audio, tokens, _ = run_sessions(engine, sessions, inputs, text)
+    return list(zip(tokens, audio, text, strict=True))
 
 
 def test_tiny_zero_serves_as_hibiki_zero_server_state(tmp_path, tokenizer, monkeypatch):

@@ -40,10 +40,15 @@ SESSIONS = [(0, 0, 40, ()), (1, 3, 12, ()), (2, 5, 26, (9, 10, 17)), (1, 19, 18,
 
 
 def run_sessions(
-    engine: MoshiEngine, sessions: list = SESSIONS
+    engine: MoshiEngine,
+    sessions: list = SESSIONS,
+    inputs: list[np.ndarray] | None = None,
+    text: list[dict[int, str]] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """Stream ``sessions`` through the engine: each session's audio out, tokens, input."""
-    inputs = [signal(10 + i, n) for i, (_, _, n, _) in enumerate(sessions)]
+    """Stream ``sessions`` through the engine: each session's audio out, tokens, input
+    (``inputs``, or a signal each); with ``text``, each session's text by frame past the delay."""
+    if inputs is None:
+        inputs = [signal(10 + i, n) for i, (_, _, n, _) in enumerate(sessions)]
     sent = [0] * len(sessions)
     outputs: list[list[np.ndarray]] = [[] for _ in sessions]
     tokens: list[list[np.ndarray]] = [[] for _ in sessions]
@@ -65,6 +70,8 @@ def run_sessions(
                 outputs[i].append(result.audio[row].copy())
                 if sent[i] >= engine.delay_frames:
                     tokens[i].append(batch_tokens[-1][where[row], :, 0].cpu().numpy())
+                if text is not None and row in result.text:
+                    text[i][sent[i] - engine.delay_frames] = result.text[row]
                 sent[i] += 1
                 if sent[i] == sessions[i][2]:
                     engine.close(sessions[i][0])

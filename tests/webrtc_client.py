@@ -157,20 +157,13 @@ def best_lag(sent: np.ndarray, heard: np.ndarray, max_lag: int) -> tuple[int, fl
     """The lag (samples) at which ``heard`` matches ``sent`` best, and the normalized
     correlation there."""
     n = len(sent)
-    best = (0, -1.0)
-    for lag in range(0, max_lag, 24):  # a 1 ms grid, then refined
+
+    def at(lag: int) -> float:
         seg = heard[lag : lag + n]
         if len(seg) < n:
-            break
-        c = float(np.dot(seg, sent) / (np.linalg.norm(seg) * np.linalg.norm(sent) + 1e-12))
-        if c > best[1]:
-            best = (lag, c)
-    lag0 = best[0]
-    for lag in range(max(0, lag0 - 24), lag0 + 25):
-        seg = heard[lag : lag + n]
-        if len(seg) < n:
-            break
-        c = float(np.dot(seg, sent) / (np.linalg.norm(seg) * np.linalg.norm(sent) + 1e-12))
-        if c > best[1]:
-            best = (lag, c)
-    return best
+            return -1.0
+        return float(np.dot(seg, sent) / (np.linalg.norm(seg) * np.linalg.norm(sent) + 1e-12))
+
+    best = max(((lag, at(lag)) for lag in range(0, max_lag, 24)), key=lambda b: b[1], default=(0, -1.0))
+    lag0 = best[0]  # a 1 ms grid, then refined around its best
+    return max([best, *((lag, at(lag)) for lag in range(max(0, lag0 - 24), lag0 + 25))], key=lambda b: b[1])
