@@ -352,3 +352,13 @@ def test_load_generator_reports_time_to_ready_with_prompts(pp_server):
         assert summary["ready_p50_ms"] > 0 and summary["ready_max_ms"] >= summary["ready_p99_ms"]
         assert all(s.ready_s > 0 for s in result.sessions)
 
+
+
+def test_load_generator_gives_each_session_its_own_prompt_on_request():
+    """`{session}` in --text-prompt becomes the session's number: every prompt new to the server."""
+    from duplexserve.loadgen.runner import LoadSpec
+
+    spec = LoadSpec(url="ws://x", text_prompt="Caller {session}. Help them.", voice_prompt="voice.pt")
+    assert spec.prompt(7) == {"text_prompt": "Caller 7. Help them.", "voice_prompt": "voice.pt"}
+    assert spec.prompt(8)["text_prompt"] != spec.prompt(7)["text_prompt"]
+    assert LoadSpec(url="ws://x", text_prompt="same").prompt(3) == {"text_prompt": "same"}

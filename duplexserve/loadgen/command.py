@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="native: cut each session's TCP connection at random moments about this often "
                         "(seconds), resume it and go on; guards check every frame came once, in order")
     p.add_argument("--text-prompt", default="",
-                   help="every session's text prompt (PersonaPlex's persona; Realtime: its instructions)")
+                   help="every session's text prompt (PersonaPlex's persona; Realtime: its instructions); "
+                        "{session} in it becomes the session's number, a prompt the server has not seen")
     p.add_argument("--voice-prompt", default="",
                    help="every session's voice prompt, a name the server lists at GET /v1/voices (NATF2.pt)")
     p.add_argument("--arrivals-per-s", type=float, default=0.0,

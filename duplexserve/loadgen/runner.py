@@ -90,8 +90,11 @@ class LoadSpec:
             self.message_ms,
         )
 
-    def prompt(self) -> dict[str, str]:
-        fields = (("text_prompt", self.text_prompt), ("voice_prompt", self.voice_prompt))
+    def prompt(self, index: int = 0) -> dict[str, str]:
+        """Session ``index``'s prompt fields: ``{session}`` in the text prompt becomes its number,
+        so every session brings a prompt the server has not seen (a prefill, not a cache copy)."""
+        text = self.text_prompt.replace("{session}", str(index))
+        fields = (("text_prompt", text), ("voice_prompt", self.voice_prompt))
         return {key: value for key, value in fields if value}
 
     def frames_of(self, slot: int, slots: int, first: bool) -> int:
@@ -208,7 +211,7 @@ class Worker:
         rec.joined = joined
         audio = SessionAudio(self.base, stream, index, spec.expect, spec.delay_frames)
         driver = self.driver_cls(stream.input, stream.output, rec)
-        driver.prompt = spec.prompt()
+        driver.prompt = spec.prompt(index)
         finished: asyncio.Future[None] = loop.create_future()
         dropper: asyncio.Task[None] | None = None
         rec.done_callback = lambda: finished.done() or finished.set_result(None)
