@@ -456,6 +456,12 @@ class MoshiEngine(Engine):
         torch = self._torch
         row = int(self._rows.map.row_of[slot])
         lm = self.lm_gen.lm_model
+        n = prompt.frames - 1  # positions the prompt runs through the transformer
+        # Everything the prompt needs from the host goes over in one copy, first: a copy from
+        # pageable memory waits for the GPU's queue, and after the prefill's forward it would
+        # hold this thread (and the next step of every live session) until the forward is done.
+        tokens = torch.from_numpy(prompt.tokens[: n + 1].T.copy()).to(self.device)  # [streams, n + 1]
+        sine = torch.tensor(self._layout.sine).to(self.device)
         with torch.no_grad(), self._eager():
             self._rows.views.use(self.num_slots)  # the full states: the row is reset in place
             mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
@@ -463,13 +469,12 @@ class MoshiEngine(Engine):
             self.mimi.reset_streaming(mask)
             self.lm_gen.reset_streaming(mask)
             self._rows.map.reset[row] = False
-            n = prompt.frames - 1  # positions the prompt runs through the transformer
             rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
             prefix = self._prompt_cache.get(key)
             if prefix is not None:  # the same prompt left these keys and values before
                 self._prompt_cache.move_to_end(key)
             else:
-                seq = torch.from_numpy(prompt.tokens[:n].T.copy()).to(self.device)[None]
+                seq = tokens[None, :, :n]
                 x = lm.text_emb(seq[:, 0])  # LMModel.forward_text's sum, in its order
                 x = sum((lm.emb[k](seq[:, k + lm.audio_offset]) for k in range(1, lm.num_audio_codebooks)),
                         lm.emb[0](seq[:, lm.audio_offset])) + x  # fmt: skip
@@ -481,8 +486,8 @@ class MoshiEngine(Engine):
             lm.transformer._streaming_state.offsets[row] = n
             state = self.lm_gen._streaming_state
             state.offsets[row] = n
-            state.cache[row, :, n % state.cache.shape[2]] = torch.from_numpy(prompt.tokens[n]).to(self.device)
-            self._held[row, :, 0] = torch.tensor(self._layout.sine, device=self.device)
+            state.cache[row, :, n % state.cache.shape[2]] = tokens[:, n]
+            self._held[row, :, 0] = sine
             self._lagged[row] = True
         self._lead[slot] = 0  # the prompt's delay is behind it: every step answers
         forced = [row_tokens[1 : 1 + lm.dep_q] for row_tokens in prompt.forced_after]
