@@ -272,3 +272,27 @@ def test_steady_window_leaves_out_the_ramp_and_the_tail():
     assert steady["rt_max_ms"] == pytest.approx(20.0, abs=1e-3)
     assert steady["rt_p50_ms"] == pytest.approx(10.0, abs=1e-3)
     assert run.summary()["rt_max_ms"] == pytest.approx(900.0, abs=1e-3)  # the whole run sees both
+
+
+def test_underruns_are_counted_by_the_second_of_the_run_they_arrived_in():
+    def session(index: int, start: float, rt: list[float]) -> SessionRecorder:
+        rec = SessionRecorder(index, AudioFormat(), check_content=False, recent=[])
+        rec.on_ready({"session_id": str(index)})
+        for i, delay in enumerate(rt):
+            rec.sent_frames([], 1, start + 0.08 * i)
+            rec.on_audio(b"", start + 0.08 * i + delay)
+        rec.on_closed("completed", {})
+        return rec
+
+    # Session 0 (from 0 s): frame 20, 0.18 s late, arrives at 1.6 + 0.2 = 1.8 s. Session 1
+    # (from 2.5 s): frames 30 and 31, 0.2 s late, arrive at 5.12 and 5.2 s.
+    rt0 = [0.02] * 40
+    rt0[20] = 0.02 + 0.18
+    rt1 = [0.02] * 40
+    rt1[30] = rt1[31] = 0.02 + 0.2
+    results = [session(0, 0.0, rt0).result(), session(1, 2.5, rt1).result()]
+    run = RunResult("x", {"playback_buffer_frames": 1}, results, ClientStats(1, 0.0, 1.0, 20))
+    by_s = run.underruns_by_second(1)
+    assert sum(by_s) == run.summary()["underruns"] == 3
+    assert by_s[1] == 1 and by_s[5] == 2 and by_s == run.summary()["underruns_by_s"]
+    assert run.underruns_by_second(4) == []  # a four-frame buffer hides them all

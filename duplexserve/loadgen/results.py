@@ -128,6 +128,23 @@ class RunResult:
             "underruns": metrics.underruns(late, playback_buffer_frames),
         }
 
+    def underruns_by_second(self, playback_buffer_frames: int = 1) -> list[int]:
+        """Underruns by the second of the run the late frame arrived in (0: the first frame
+        sent): a stall shows as a spike across sessions at one moment, a cost paid per
+        session (a prompt's prefill as sessions join) as a spread over the run."""
+        live = [s for s in self.sessions if len(s.late) and len(s.rt) and len(s.sent)]
+        if not live:
+            return []
+        start = min(float(s.sent[0]) for s in live)
+        margin = playback_buffer_frames * metrics.FRAME_S + 1e-9
+        at = []
+        for s in live:
+            late = np.asarray(s.late, np.float64)
+            index = np.flatnonzero(late > margin)  # frame i arrives at first + i x 80 ms + its lateness
+            at.append(float(s.sent[0]) + float(s.rt[0]) + metrics.FRAME_S * index + late[index] - start)
+        seconds = np.concatenate(at)
+        return np.bincount(seconds.astype(np.int64)).tolist() if len(seconds) else []
+
     def ready(self, joined_only: bool = False) -> dict[str, float]:
         """Time to ready (connect to session.created or the handshake, the prompt run), over
         every session or those that joined in the place of one that ended."""
@@ -164,6 +181,7 @@ class RunResult:
             "lateness_p99_ms": 1e3 * metrics.percentile(late, 99),
             "underruns": sum(s.underruns for s in self.sessions),
             "sessions_with_underruns": sum(1 for s in self.sessions if s.underruns),
+            "underruns_by_s": self.underruns_by_second(self.config.get("playback_buffer_frames", 1)),
             "makespan_s": makespan,
             "us_per_frame_wall": 1e6 * makespan / self.frames if self.frames else math.nan,
             "text_events": sum(s.text_events for s in self.sessions),
