@@ -250,21 +250,23 @@ def test_client_ceiling_from_its_cpu():
     assert not run.guards_ok  # no sessions: nothing was shown to work
 
 
-def test_steady_window_leaves_out_the_ramp_and_the_tail():
-    def session(index: int, start: float, rt: list[float]) -> SessionRecorder:
-        rec = SessionRecorder(index, AudioFormat(), check_content=False, recent=[])
-        rec.on_ready({"session_id": str(index)})
-        for i, delay in enumerate(rt):
-            rec.sent_frames([], 1, start + 0.08 * i)
-            rec.on_audio(b"", start + 0.08 * i + delay)
-        rec.on_closed("completed", {})
-        return rec
+def _recorded(index: int, start: float, rt: list[float]) -> SessionRecorder:
+    """A session that sent a frame every 80 ms from ``start``, frame i answered ``rt[i]`` later."""
+    rec = SessionRecorder(index, AudioFormat(), check_content=False, recent=[])
+    rec.on_ready({"session_id": str(index)})
+    for i, delay in enumerate(rt):
+        rec.sent_frames([], 1, start + 0.08 * i)
+        rec.on_audio(b"", start + 0.08 * i + delay)
+    rec.on_closed("completed", {})
+    return rec
 
+
+def test_steady_window_leaves_out_the_ramp_and_the_tail():
     # Session 0 starts at 0 s, session 1 at 0.4 s; both send 10 frames. The window is
     # [0.4, 0.72]: session 0's frames 5..9 and session 1's frames 0..4.
     slow_start = [0.5] * 5 + [0.010] * 5  # session 0: slow while the other was connecting
     slow_tail = [0.020] * 5 + [0.9] * 5  # session 1: slow once session 0 was gone
-    results = [session(0, 0.0, slow_start).result(), session(1, 0.4, slow_tail).result()]
+    results = [_recorded(0, 0.0, slow_start).result(), _recorded(1, 0.4, slow_tail).result()]
     run = RunResult("x", {}, results, ClientStats(1, 0.0, 1.0, 20))
     steady = run.steady()
     assert steady["window_s"] == pytest.approx(0.32)
@@ -275,22 +277,13 @@ def test_steady_window_leaves_out_the_ramp_and_the_tail():
 
 
 def test_underruns_are_counted_by_the_second_of_the_run_they_arrived_in():
-    def session(index: int, start: float, rt: list[float]) -> SessionRecorder:
-        rec = SessionRecorder(index, AudioFormat(), check_content=False, recent=[])
-        rec.on_ready({"session_id": str(index)})
-        for i, delay in enumerate(rt):
-            rec.sent_frames([], 1, start + 0.08 * i)
-            rec.on_audio(b"", start + 0.08 * i + delay)
-        rec.on_closed("completed", {})
-        return rec
-
     # Session 0 (from 0 s): frame 20, 0.18 s late, arrives at 1.6 + 0.2 = 1.8 s. Session 1
     # (from 2.5 s): frames 30 and 31, 0.2 s late, arrive at 5.12 and 5.2 s.
     rt0 = [0.02] * 40
     rt0[20] = 0.02 + 0.18
     rt1 = [0.02] * 40
     rt1[30] = rt1[31] = 0.02 + 0.2
-    results = [session(0, 0.0, rt0).result(), session(1, 2.5, rt1).result()]
+    results = [_recorded(0, 0.0, rt0).result(), _recorded(1, 2.5, rt1).result()]
     run = RunResult("x", {"playback_buffer_frames": 1}, results, ClientStats(1, 0.0, 1.0, 20))
     by_s = run.underruns_by_second(1)
     assert sum(by_s) == run.summary()["underruns"] == 3
