@@ -70,9 +70,12 @@ PACKET_TS = 960
 monotonic = time.monotonic
 
 
-def impair(sender: Any, loss: float, jitter_ms: float, seed: int = 0) -> dict[str, int]:
+def impair(
+    sender: Any, loss: float, jitter_ms: float, seed: int = 0, dropped_at: list[int] | None = None
+) -> dict[str, int]:
     """Drop ``loss`` of the RTP packets ``sender`` sends and hold each other one for 0 to
-    ``jitter_ms`` (so they may arrive out of order); returns the live counts.
+    ``jitter_ms`` (so they may arrive out of order); returns the live counts, and appends
+    each dropped packet's place in the sent order (0: the first) to ``dropped_at``.
 
     It wraps the DTLS transport's ``_send_rtp`` (before SRTP), so a dropped packet leaves
     a gap in the sequence numbers, as one lost on the way would."""
@@ -86,6 +89,8 @@ def impair(sender: Any, loss: float, jitter_ms: float, seed: int = 0) -> dict[st
         counts["sent"] += 1
         if rng.random() < loss:
             counts["dropped"] += 1
+            if dropped_at is not None:
+                dropped_at.append(counts["sent"] - 1)
             return
         delay = rng.uniform(0, jitter_ms / 1000) if jitter_ms else 0
         if delay:
