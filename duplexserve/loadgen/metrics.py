@@ -73,10 +73,16 @@ def underruns(late: Sequence[float] | np.ndarray, buffer_frames: int = 1, frame_
     buffer of one frame, a frame may arrive up to 80 ms behind the nominal deadline. A
     buffer of 0 counts every positive lateness, which any jitter at all produces.
     """
+    return int(np.count_nonzero(underrun_mask(late, buffer_frames, frame_s)))
+
+
+def underrun_mask(
+    late: Sequence[float] | np.ndarray, buffer_frames: int = 1, frame_s: float = FRAME_S
+) -> np.ndarray:
+    """Which frames of ``late`` are underruns (see :func:`underruns`)."""
     if buffer_frames < 0:
         raise ValueError("a playback buffer cannot be negative")
-    margin = buffer_frames * frame_s
-    return int(np.count_nonzero(np.asarray(late, dtype=np.float64) > margin + 1e-9))
+    return np.asarray(late, dtype=np.float64) > buffer_frames * frame_s + 1e-9
 
 
 def per_frame(delta: float, frames: float) -> float:

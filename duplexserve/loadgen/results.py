@@ -136,12 +136,11 @@ class RunResult:
         if not live:
             return []
         start = min(float(s.sent[0]) for s in live)
-        margin = playback_buffer_frames * metrics.FRAME_S + 1e-9
         at = []
         for s in live:
-            late = np.asarray(s.late, np.float64)
-            index = np.flatnonzero(late > margin)  # frame i arrives at first + i x 80 ms + its lateness
-            at.append(float(s.sent[0]) + float(s.rt[0]) + metrics.FRAME_S * index + late[index] - start)
+            index = np.flatnonzero(metrics.underrun_mask(s.late, playback_buffer_frames))
+            # frame i arrives at the first frame's arrival + i x 80 ms + its lateness
+            at.append(float(s.sent[0]) + float(s.rt[0]) + metrics.FRAME_S * index + s.late[index] - start)
         seconds = np.concatenate(at)
         return np.bincount(seconds.astype(np.int64)).tolist() if len(seconds) else []
 

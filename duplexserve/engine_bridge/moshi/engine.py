@@ -282,6 +282,7 @@ class MoshiEngine(Engine):
             user = lm.num_codebooks - 1 - lm.dep_q
             self._held = torch.zeros((b, user, 1), dtype=torch.long, device=self.device)
             self._lagged = torch.zeros(b, dtype=torch.bool, device=self.device)
+            self._sine = torch.tensor(self._layout.sine, device=self.device)  # a prompt's last held codes
             self._forced: dict[int, list[np.ndarray]] = {}  # slot -> agent tokens its next steps force
             self._unprompted: set[int] = set()  # opened, no prompt yet: the default runs first
             self._forcing: tuple[Any, Any] | None = None
@@ -461,7 +462,6 @@ class MoshiEngine(Engine):
         # pageable memory waits for the GPU's queue, and after the prefill's forward it would
         # hold this thread (and the next step of every live session) until the forward is done.
         tokens = torch.from_numpy(prompt.tokens[: n + 1].T.copy()).to(self.device)  # [streams, n + 1]
-        sine = torch.tensor(self._layout.sine).to(self.device)
         with torch.no_grad(), self._eager():
             self._rows.views.use(self.num_slots)  # the full states: the row is reset in place
             mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
@@ -487,7 +487,7 @@ class MoshiEngine(Engine):
             state = self.lm_gen._streaming_state
             state.offsets[row] = n
             state.cache[row, :, n % state.cache.shape[2]] = tokens[:, n]
-            self._held[row, :, 0] = sine
+            self._held[row, :, 0] = self._sine
             self._lagged[row] = True
         self._lead[slot] = 0  # the prompt's delay is behind it: every step answers
         forced = [row_tokens[1 : 1 + lm.dep_q] for row_tokens in prompt.forced_after]
