@@ -274,6 +274,11 @@ class ServerConfig:
         80, "WebRTC: the Opus packets the server sends, 20, 40 or 80 ms (one model frame: a quarter of the "
         "per-packet work of 20 ms); a peer's a=maxptime lowers it"
     )
+    webrtc_ptime_ms: int = _opt(
+        40, "WebRTC: the Opus packets asked of peers, 20, 40 or 80 ms (a=ptime in the answer, which browsers "
+        "follow): 40 halves the packets to receive, unprotect and decode against browsers' default 20, and a "
+        "lost one is rebuilt half from concealment, half from the next packet's FEC; a=maxptime lowers it"
+    )
     webrtc_output_fec: bool = _opt(
         False, "WebRTC: in-band FEC in the Opus the server sends (browsers rebuild lost packets from it; "
         "costs up to 4x the encoding CPU)"
@@ -381,6 +386,8 @@ class ServerConfig:
             raise ValueError("codec_batch_ms must be 0..20")
         if self.webrtc_packet_ms not in (20, 40, 80):
             raise ValueError("webrtc_packet_ms must be 20, 40 or 80")
+        if self.webrtc_ptime_ms not in (20, 40, 80):
+            raise ValueError("webrtc_ptime_ms must be 20, 40 or 80")
         if not 1 <= self.webrtc_jitter_frames <= 50:
             raise ValueError("webrtc_jitter_frames must be 1..50 (20 ms packets)")
 

@@ -200,6 +200,14 @@ def test_talk_page_calls_over_webrtc_and_hears_what_it_sent(server_factory, tmp_
         text = metrics(server)
     assert "duplexserve_webrtc_calls_active 0.0" in text  # the server ended the session
     assert 'duplexserve_webrtc_calls_total{outcome="answered",protocol="webrtc"} 1.0' in text
+    # Chromium follows the answer's a=ptime:40: two packets an 80 ms frame, not four.
+    packets = _metric(text, 'duplexserve_jitter_packets_total{event="packets",protocol="webrtc"}')
+    frames = _metric(text, "duplexserve_frames_in_total")
+    assert 1.8 * frames < packets < 2.3 * frames, (packets, frames)
+
+
+def _metric(text: str, name: str) -> float:
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
 def call_in_chromium(server: Any, tmp_path: Path) -> None:

@@ -11,10 +11,9 @@ pytest.importorskip("aiortc")
 
 from duplexserve.bench.webrtc_cost import scrape
 from duplexserve.codecs.opus_rtp import RtpOpusDecoder, RtpOpusEncoder
-from duplexserve.loadgen.drivers.webrtc import with_maxptime
 from duplexserve.loadgen.runner import LoadSpec, run_load
 from duplexserve.loadgen.webrtc_audio import EchoReplay, FrameAssembler, Piece
-from duplexserve.server.webrtc_peer import packet_ms
+from duplexserve.server.webrtc_peer import asked_ms, packet_ms, with_audio_attribute
 
 CALLS = "/v1/realtime/calls"
 #: A deep jitter buffer (500 ms): client and server share a loaded machine, and a stall of
@@ -39,12 +38,25 @@ def server(tmp_path_factory):
 
 
 def test_paced_calls_pass_the_guards_byte_for_byte(server):
+    _, before = scrape(server.http)
     result = run_load(_spec(server.ws(CALLS)))
+    _, after = scrape(server.http)
     summary = result.summary()
     assert result.guards_ok, result.failures
     assert summary["sessions"] == 4 and summary["frames"] == 4 * 25
     assert summary["rt_p50_ms"] > 0 and summary["rtf_median"] > 0
     assert summary["server"]["frames"] >= 4 * 25  # the server's clock runs on until the hang-up
+    # The answer asked for 40 ms packets (a=ptime:40): two a frame, from 20 ms messages.
+    assert after["packets"] - before["packets"] == 4 * 25 * 2
+
+
+def test_a_server_asking_for_20_ms_packets_gets_them(server_factory):
+    twenty = server_factory(*LOOPBACK, "--webrtc-ptime-ms", "20")
+    _, before = scrape(twenty.http)
+    result = run_load(_spec(twenty.ws(CALLS), message_ms=80, sessions=2, concurrency=2, frames=10))
+    _, after = scrape(twenty.http)
+    assert result.guards_ok, result.failures
+    assert after["packets"] - before["packets"] == 2 * 10 * 4
 
 
 def test_80_ms_messages_send_their_packets_back_to_back(server):
@@ -104,8 +116,16 @@ OFFER = "\r\n".join([
      (79, 40, 40)],
 )  # fmt: skip
 def test_the_server_sends_the_longest_packets_the_offer_allows(maxptime, longest, sent):
-    offer = OFFER if maxptime is None else with_maxptime(OFFER, maxptime)
+    offer = OFFER if maxptime is None else with_audio_attribute(OFFER, "maxptime", maxptime)
     assert packet_ms(offer, longest) == sent  # another section's maxptime (10) is not the audio's
+
+
+@pytest.mark.parametrize(
+    ("ptime", "sent"), [(None, 20), (20, 20), (40, 40), (60, 40), (80, 80), (120, 80), ("x", 80)]
+)
+def test_the_load_generator_sends_the_packets_the_answer_asks_for(ptime, sent):
+    answer = OFFER if ptime is None else with_audio_attribute(OFFER, "ptime", ptime)
+    assert asked_ms(answer) == sent
 
 
 

@@ -65,6 +65,7 @@ def test_an_sdp_offer_gets_an_answer_and_the_echo_comes_back_on_the_track(server
         assert answer.headers["content-type"].startswith("application/sdp")
         assert answer.headers["location"].startswith("/v1/realtime/calls/rtc_")
         assert "m=audio" in answer.text and "opus/48000" in answer.text.lower()
+        assert "\r\na=ptime:40\r\n" in answer.text  # 40 ms packets asked (--webrtc-ptime-ms)
         await peer.wait_for(lambda: "output_audio_buffer.stopped" in peer.kinds())
         await peer.close()
         return peer

@@ -97,6 +97,21 @@ def test_packet_lengths_come_from_the_payload():
     assert sum(p.duration for p in jb.pull()) == FRAME_TS
 
 
+def test_a_lost_40_ms_packet_is_concealed_then_rebuilt_from_the_next_ones_fec():
+    # libopus keeps the FEC of a packet's last 20 ms in the next packet: the lost packet's
+    # first half is concealed, its second rebuilt; the decoder's time base stays whole.
+    jb = JitterBuffer(duration=lambda p: 2 * PACKET_TS)
+    for i in (0, 4, 6):  # the packet at 2 (40 ms) is lost
+        jb.push(ts(i), payload(i))
+    plays = jb.pull() + jb.pull()
+    assert kinds(plays) == [
+        (DECODE, payload(0)), (CONCEAL, None), (RECOVER, payload(4)),
+        (DECODE, payload(4)), (DECODE, payload(6)),
+    ]  # fmt: skip
+    assert [p.duration for p in plays] == [2 * PACKET_TS, PACKET_TS, PACKET_TS, 2 * PACKET_TS, 2 * PACKET_TS]
+    assert (jb.counts.concealed, jb.counts.recovered) == (1, 1)
+
+
 needs_opus = pytest.mark.skipif(opus_rtp.OPUS is None, reason="no libopus (system or PyAV's)")
 
 

@@ -20,8 +20,10 @@ concealed or recovered by libopus, so the model is fed on time whatever the netw
 does. The calls share one clock in a few phases (server/webrtc_clock.py), so that their
 frames reach the engine together. The Opus packets go in and out beside aiortc's
 per-packet tasks (server/webrtc_rtp.py), one 80 ms packet a frame out where the peer
-allows (``--webrtc-packet-ms``). aiortc runs on the server's event loop
-(docs/benchmarks.md has its cost per frame, and why it stays there).
+allows (``--webrtc-packet-ms``), and the answer asks the peer for 40 ms packets in
+(``a=ptime``, ``--webrtc-ptime-ms``), half the packets browsers send unasked. aiortc
+runs on the server's event loop (docs/benchmarks.md has its cost per frame, and why it
+stays there).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from duplexserve import errors
-from duplexserve.codecs.opus_rtp import RtpOpusDecoder, RtpOpusEncoder, packet_samples
+from duplexserve.codecs.opus_rtp import RTP_RATE, RtpOpusDecoder, RtpOpusEncoder, packet_samples
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.server import auth, webrtc_peer, webrtc_rtp
@@ -214,10 +216,12 @@ class WebRTCConnection(RealtimeConnection):
         jitter.push(timestamp, payload)
         session = self.session
         if first and not self._playing and session is not None and not session.closed:
-            # The first frame's last packet comes 60 ms after its first: play it ``depth``
-            # packets after that (at the clock's next phase), and every 80 ms from there.
+            # The first frame's last packet comes 80 ms less this packet's length after this
+            # one: play it ``depth`` packets of 20 ms after that (at the clock's next phase),
+            # and every 80 ms from there.
             self._playing = True
-            self.clock.join(self, now + FRAME_S - PACKET_S + jitter.depth * PACKET_S, self._on_tick)
+            length = min(packet_samples(payload) / RTP_RATE or PACKET_S, FRAME_S)
+            self.clock.join(self, now + FRAME_S - length + jitter.depth * PACKET_S, self._on_tick)
 
     def _on_tick(self) -> None:
         session = self.session
@@ -529,8 +533,12 @@ class WebRTCCalls:
             return _error(500, "answer_failed", f"the server could not answer the offer: {exc}")
         self.calls[call_id] = conn
         self.outcomes["answered"] += 1
+        asked = webrtc_peer.packet_ms(offer, self.config.webrtc_ptime_ms)
+        answer = pc.localDescription.sdp
+        if asked != 20:  # browsers send 20 ms unless asked
+            answer = webrtc_peer.with_audio_attribute(answer, "ptime", asked)
         return Response(
-            pc.localDescription.sdp, status_code=201, media_type="application/sdp",
+            answer, status_code=201, media_type="application/sdp",
             headers={"Location": f"/v1/realtime/calls/{call_id}"},
         )  # fmt: skip
 

@@ -169,25 +169,49 @@ def tap_audio(receiver: Any, payload_types: set[int], on_packet: Callable[[int, 
     receiver._handle_rtp_packet = handle
 
 
-def packet_ms(sdp: str, longest: int) -> int:
-    """The Opus packets to send a peer whose offer is ``sdp``: ``longest`` ms (20, 40 or
-    80, whole fractions of a model frame), less where its audio section's ``a=maxptime``
-    (or the session's) asks for less. Without one, any length up to 120 ms is allowed
-    (RFC 7587: a receiver decodes every Opus packet), so an 80 ms frame goes as one."""
-    maxptime, audio = None, None
+def audio_attribute(sdp: str, name: str) -> str | None:
+    """The value of ``a=name:...`` in the audio section of ``sdp`` (or in the session part
+    before it), None where there is none."""
+    prefix, value, audio = f"a={name}:", None, None
     for line in sdp.splitlines():
         if line.startswith("m="):
             if audio is not None:
                 break  # the audio section is over
             audio = line.startswith("m=audio")
-        elif line.startswith("a=maxptime:") and audio is not False:
-            try:
-                maxptime = int(float(line[11:].strip()))
-            except ValueError:
-                continue
-    if maxptime is None:
-        return longest
-    return max((ms for ms in (20, 40, 80) if ms <= min(maxptime, longest)), default=20)
+        elif line.startswith(prefix) and audio is not False:
+            value = line[len(prefix) :].strip()
+    return value
+
+
+def with_audio_attribute(sdp: str, name: str, value: object) -> str:
+    """``sdp`` with ``a=name:value`` first among the audio section's attributes."""
+    lines = sdp.split("\r\n")
+    audio = next(i for i, line in enumerate(lines) if line.startswith("m=audio"))
+    at = next((i for i in range(audio + 1, len(lines)) if lines[i].startswith(("a=", "m="))), len(lines))
+    return "\r\n".join([*lines[:at], f"a={name}:{value}", *lines[at:]])
+
+
+def packet_ms(sdp: str, longest: int) -> int:
+    """The Opus packets to send a peer whose offer is ``sdp``: ``longest`` ms (20, 40 or
+    80, whole fractions of a model frame), less where its audio section's ``a=maxptime``
+    asks for less. Without one, any length up to 120 ms is allowed (RFC 7587: a receiver
+    decodes every Opus packet), so an 80 ms frame goes as one."""
+    return _whole_fraction(audio_attribute(sdp, "maxptime"), longest)
+
+
+def asked_ms(sdp: str) -> int:
+    """The packets a peer's description asks to receive (``a=ptime``, as libwebrtc reads
+    it): 20, 40 or 80 ms, the longest not above it; 20 ms, browsers' own, where none."""
+    value = audio_attribute(sdp, "ptime")
+    return _whole_fraction(value, 80) if value is not None else 20
+
+
+def _whole_fraction(limit: str | None, longest: int) -> int:
+    try:
+        most = min(int(float(limit)), longest) if limit is not None else longest
+    except ValueError:
+        most = longest
+    return max((ms for ms in (20, 40, 80) if ms <= most), default=20)
 
 
 class OutgoingAudio(MediaStreamTrack):  # type: ignore[misc,valid-type]

@@ -3,9 +3,10 @@
 The driver plays a browser's part: it offers one Opus track and the ``oai-events`` data
 channel, POSTs the offer (``application/sdp``, the key of the URL's ``?token=`` in the
 query), and waits for ``session.created`` on the channel before audio. The runner's
-audio (``pcm_f32le`` at 24 kHz) goes out as 20 ms Opus packets with in-band FEC, as
-browsers send it: one message of ``--message-ms 20`` is one packet on the pacer's
-schedule, a longer message its packets back to back, as RTP of the peer's own
+audio (``pcm_f32le`` at 24 kHz) goes out as Opus packets with in-band FEC, as browsers
+send it, of the length the server's answer asks (``a=ptime``, which browsers follow; 20
+ms without one): a packet goes when the pacer's messages have filled it, a longer message
+its packets back to back, as RTP of the peer's own
 (server/webrtc_rtp.py; through aiortc's sender where the network is impaired). The
 server's packets are taken as they arrive, before aiortc's own jitter buffer and
 decoder thread (the server's fast path, server/webrtc_rtp.py), grouped into 80 ms frames
@@ -16,7 +17,7 @@ With ``--expect echo`` the answers are predicted byte for byte by replaying the
 server's Opus path on what this peer sent (:class:`~duplexserve.loadgen.webrtc_audio.EchoReplay`),
 with the server's ``--opus-complexity`` and ``--webrtc-output-fec`` given to the
 loadgen; with ``--expect none`` nothing is decoded and only the frames are counted, and
-each 20 ms chunk of the signal is encoded once a process for every peer. The
+each packet's chunk of the signal is encoded once a process for every peer. The
 offer says ``a=maxptime`` of ``--webrtc-packet-ms`` (80 by default, as the server
 sends): the server sends packets that long unless its own ``--webrtc-packet-ms`` is
 shorter, which the replay cannot know (then the content guard fails: pass the same).
@@ -61,11 +62,10 @@ CHANNEL = "oai-events"
 CLIENT_COMPLEXITY = 0
 _counter = itertools.count()
 _closing: set[asyncio.Task[None]] = set()  # peer connections being closed, kept from the GC
-#: --expect none: each 20 ms chunk of the signal encoded once a process, for every session
+#: --expect none: each packet's chunk of the signal encoded once a process, for every session
 #: (the server's work is the same; the client's is what limits a run).
-_ENCODED: dict[bytes, list[bytes]] = {}
+_ENCODED: dict[tuple[int, bytes], list[bytes]] = {}
 MAX_ENCODED = 50_000  # chunks (10 MB or so): a new signal's start over
-PACKET_TS = 960
 
 monotonic = time.monotonic
 
@@ -117,14 +117,6 @@ def _post_sdp(url: str, sdp: str, timeout: float) -> tuple[int, str]:
             return response.status, response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode("utf-8", "replace")
-
-
-def with_maxptime(sdp: str, ms: int) -> str:
-    """``sdp`` with ``a=maxptime:ms`` in its audio section (aiortc's offer has none)."""
-    lines = sdp.split("\r\n")
-    audio = next(i for i, line in enumerate(lines) if line.startswith("m=audio"))
-    at = next((i for i in range(audio + 1, len(lines)) if lines[i].startswith(("a=", "m="))), len(lines))
-    return "\r\n".join([*lines[:at], f"a=maxptime:{ms}", *lines[at:]])
 
 
 def _loopback(url: str) -> bool:
@@ -194,6 +186,8 @@ class WebRTCDriver(HangUpWhenAnswered):
         self.rtp_out: webrtc_rtp.RtpSendStream | None = None
         self._fast_out: bool | None = None
         self._samples_sent = 0
+        self._packet = PACKET_SAMPLES  # samples a packet sent: what the answer asks (open)
+        self._pending: np.ndarray | None = None  # less than a packet, waiting for more
         self._session_id = ""
         self._silent_frame = bytes(4 * FRAME_SAMPLES)
         self._closing = False
@@ -215,12 +209,13 @@ class WebRTCDriver(HangUpWhenAnswered):
         channel.on("close", lambda: self._lost("the oai-events channel closed"))
         pc.on("connectionstatechange", self._on_state)
         await pc.setLocalDescription(await pc.createOffer())
-        offer = with_maxptime(pc.localDescription.sdp, self.packet_ms)
+        offer = webrtc_peer.with_audio_attribute(pc.localDescription.sdp, "maxptime", self.packet_ms)
         status, answer = await asyncio.wait_for(
             asyncio.to_thread(_post_sdp, self.url(base_url), offer, timeout), timeout
         )
         if status != 201:
             raise ConnectionError(f"POST /v1/realtime/calls answered {status}: {answer[:200]}")
+        self._packet = webrtc_peer.asked_ms(answer) * 24  # as a browser follows the answer's a=ptime
         parsed = webrtc_peer.SessionDescription.parse(answer)
         opus = {c.payloadType for m in parsed.media if m.kind == "audio" for c in m.rtp.codecs
                 if c.mimeType.lower() == "audio/opus"}  # fmt: skip
@@ -250,26 +245,35 @@ class WebRTCDriver(HangUpWhenAnswered):
 
     # ------------------------------------------------------------------- audio
     def send_audio(self, chunk: bytes | memoryview) -> None:
+        """Whole packets of the length the server asked for; the rest of the chunk waits
+        for the next one (or for the end of the input)."""
         pcm = np.frombuffer(chunk, dtype="<f4")
-        if len(pcm) % PACKET_SAMPLES:  # only whole 20 ms packets: the rest of the last one silent
-            pcm = np.pad(pcm, (0, PACKET_SAMPLES - len(pcm) % PACKET_SAMPLES))
+        if self._pending is not None:
+            pcm = np.concatenate([self._pending, pcm])
+        whole = len(pcm) - len(pcm) % self._packet
+        self._pending = pcm[whole:] if whole < len(pcm) else None
+        if whole:
+            self._send_packets(pcm[:whole])
+
+    def _send_packets(self, pcm: np.ndarray) -> None:
+        packet = self._packet
         if self.replay is None:  # nothing is checked: one encoding of each chunk a process
-            key = pcm.tobytes()
+            key = (packet, pcm.tobytes())
             packets = _ENCODED.get(key)
             if packets is None:
                 if len(_ENCODED) > MAX_ENCODED:
                     _ENCODED.clear()
-                packets = _ENCODED[key] = self.encoder.encode(pcm)
+                packets = _ENCODED[key] = self.encoder.encode(pcm, packet)
         else:
-            packets = self.encoder.encode(pcm)
+            packets = self.encoder.encode(pcm, packet)
             self.replay.sent(pcm, packets)
         fast = self._fast_out
         if fast is None:  # one path for the whole call: two would break the sequence numbers
             fast = self._fast_out = not self.impaired and self.rtp_out is not None and self.rtp_out.ready()
         if fast:
-            self.rtp_out.push(packets, PACKET_TS)  # type: ignore[union-attr]
+            self.rtp_out.push(packets, packet * 2)  # type: ignore[union-attr]
         else:
-            self.track.push(packets)
+            self.track.push(packets, packet * 2)
         self._samples_sent += len(pcm)
 
     def answers(self, expected: list[bytes]) -> list[bytes]:
@@ -277,6 +281,9 @@ class WebRTCDriver(HangUpWhenAnswered):
         return [replay.answer(frame) for frame in expected] if replay is not None else expected
 
     def end_input(self) -> None:
+        if self._pending is not None:  # the last packet's rest is silence
+            self._send_packets(np.pad(self._pending, (0, self._packet - len(self._pending))))
+            self._pending = None
         self._expect(-(-self._samples_sent // FRAME_SAMPLES))
 
     def _on_packet(self, timestamp: int, payload: bytes) -> None:
