@@ -15,11 +15,16 @@ host, the prompt's GPU work queued before it), beside the time the call holds th
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import io
 import json
 import random
 import tempfile
 import time
+import traceback
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,22 +118,24 @@ def main(args: argparse.Namespace) -> None:
             alone.append(time.perf_counter() - t0)
         timed: dict[str, tuple[list[float], list[float]]] = {"new": ([], []), "seen": ([], [])}
         engine._prompt_cache.clear()
-        for i, prompt in enumerate(prompts * 2):  # a session ends, a new one takes its slot with a prompt
-            slot = i % live
-            engine.close(slot)
-            engine.open(slot, {})
-            host, through = timed["seen" if engine.prompt_cached(prompt) else "new"]
-            sync()
-            t0 = time.perf_counter()
-            engine.prompt(slot, prompt)  # returns once the prompt's work is queued on the GPU
-            host.append(time.perf_counter() - t0)
-            engine.step(slots, frames)  # ends when its tokens are on the host, the prompt's work before it
-            through.append(time.perf_counter() - t0)
+        allocator = _allocator(torch, engine.device)
+        profiler = _profiler(torch) if args.profile else contextlib.nullcontext()
+        waits: list[str] = []
+        with profiler as prof, _host_waits(torch, waits, on=bool(args.profile)):
+            _prompt_round(engine, prompts, live, slots, frames, timed, sync)
+        if args.profile:
+            head = f"# {args.preset} {args.kv_dtype}, {live} live: {2 * len(prompts)} prompt calls"
+            with open(args.profile, "a") as f:
+                f.write(f"{head}\n{_inside(prof, 'engine.prompt')}\n")
+                for where, count in collections.Counter(waits).most_common():
+                    f.write(f"# {count} waits for the GPU from the engine thread at:\n{where}\n")
+        allocator = {k: v - allocator.get(k, 0) for k, v in _allocator(torch, engine.device).items()}
         step = float(np.median(alone))
         for slot in slots.tolist():
             engine.close(slot)
         row: dict[str, Any] = {"live": live, "prompt_frames": frames_of, "step_ms_p50": 1000 * step,
-                               "step_ms_p99": 1000 * float(np.percentile(alone, 99))}  # fmt: skip
+                               "step_ms_p99": 1000 * float(np.percentile(alone, 99)),
+                               "allocator": allocator}  # fmt: skip
         for kind, name in (("new", "prefill"), ("seen", "cached")):
             host, through = timed[kind]  # cached: empty where --prompt-cache-mb held too few to see one again
             row[f"{name}_host_ms_p50"] = 1000 * float(np.median(host)) if host else float("nan")
@@ -156,6 +163,84 @@ def main(args: argparse.Namespace) -> None:
         print("".join(f"{c:>13}" if isinstance(c, int) else f"{c:>11.1f}ms" for c in cells))
 
 
+def _prompt_round(
+    engine: Any, prompts: list[dict], live: int, slots: Any, frames: Any, timed: dict, sync: Any
+) -> None:
+    """Each prompt, then each again, on a slot that ends and opens anew, each timed with
+    the step after it (``timed``: new / seen -> (call, call and step))."""
+    record = engine._torch.profiler.record_function
+    for i, prompt in enumerate(prompts * 2):  # a session ends, a new one takes its slot with a prompt
+        slot = i % live
+        engine.close(slot)
+        engine.open(slot, {})
+        host, through = timed["seen" if engine.prompt_cached(prompt) else "new"]
+        sync()
+        t0 = time.perf_counter()
+        with record("engine.prompt"):
+            engine.prompt(slot, prompt)  # returns once the prompt's work is queued on the GPU
+        host.append(time.perf_counter() - t0)
+        engine.step(slots, frames)  # ends when its tokens are on the host, the prompt's work before it
+        through.append(time.perf_counter() - t0)
+
+
+def _allocator(torch: Any, device: Any) -> dict[str, int]:
+    """The CUDA caching allocator's counts that mean a wait for the GPU: cudaMalloc and
+    cudaFree calls, and retries after freeing its cache (each a device-wide sync)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    return {k: int(stats.get(k, 0)) for k in keys}
+
+
+def _inside(prof: Any, label: str, rows: int = 30) -> str:
+    """The host time of the ops under every ``label`` range, by op (self time): what the
+    thread did while it held the live sessions' next step."""
+    spent: dict[str, list[float]] = {}
+    stack = [e for e in prof.events() if e.name == label]
+    total = sum(e.cpu_time_total for e in stack)
+    while stack:
+        event = stack.pop()
+        stack.extend(event.cpu_children)
+        if event.name != label:
+            entry = spent.setdefault(event.name, [0.0, 0])
+            entry[0] += event.self_cpu_time_total
+            entry[1] += 1
+    lines = [f"{label}: {total / 1000:.1f} ms of host time in all"]
+    for name, (us, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{us / 1000:10.2f} ms {calls:7d} calls  {name}")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _host_waits(torch: Any, waits: list[str], on: bool) -> Iterator[None]:
+    """Where the engine thread waits for the GPU (CUDA's sync debug mode warns at each such
+    call; the warning's Python stack goes into ``waits``)."""
+    if not on or not torch.cuda.is_available():
+        yield
+        return
+
+    def record(message: Any, *args: Any, **kwargs: Any) -> None:
+        stack = [line for line in traceback.format_stack()[:-2] if "duplexserve" in line or "moshi" in line]
+        waits.append(f"{message}\n" + "".join(stack[-6:]))
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _profiler(torch: Any) -> Any:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="personaplex-7b")
     p.add_argument("--live", default="64,128", help="live sessions, each prompted, a row each")
@@ -169,3 +254,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--assets", default="", help="leave the tokenizer and the voice here")
     p.add_argument("--out", default="")
+    p.add_argument("--profile", default="", help="append torch.profiler's table of the prompt rounds here")
