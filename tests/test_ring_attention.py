@@ -102,3 +102,46 @@ def test_ring_attention_equals_moshis_masked_attention():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("kernel max error") == 10, done.stdout
     assert "mimi max error" in done.stdout and done.stdout.count("depformer max error") == 2, done.stdout
+
+
+LIVE_MMA_CHECK = textwrap.dedent(
+    """
+    import torch
+    from duplexserve.engine_bridge.moshi.live_attention import (
+        KernelConfig, dequantize, live_attention, prefix_mask, quantize, reference_attention)
+
+    torch.manual_seed(0)
+    # (b, KV heads, capacity, head dim), query heads per KV head (Hibiki-Zero's 2); rows of length
+    # 0, 1, a partial tile, a partial chunk and the whole ring (300: the last chunk partial too)
+    cases = [(torch.float32, (5, 2, 300, 64), 1), (torch.float32, (5, 2, 300, 128), 2),
+             (torch.bfloat16, (5, 1, 300, 128), 2)]  # fmt: skip
+    for dtype, (b, h, c, d), group in cases:
+        ring = torch.randn(2, b, h, c, d).to(dtype)
+        q = torch.randn(b, h * group, 1, d).to(dtype)
+        lengths = torch.tensor([0, 1, 40, 65, c], dtype=torch.int32)
+        ring8, scale = quantize(ring)
+        deq = dequantize(ring8, scale, torch.float32)
+        ref = reference_attention(q.float(), deq[0], deq[1], prefix_mask(lengths.clamp(min=1), c))
+        ref[lengths == 0] = 0.0
+        for config in ("64/16/1/3/mma", "256/32/1/3/mma"):
+            kernel = KernelConfig.parse(config)
+            got = live_attention(q, ring8[0], ring8[1], lengths, (scale[0], scale[1]), kernel)
+            assert got[lengths == 0].eq(0).all()
+            # float16 query and weights on the tensor cores: about 1e-4 of the largest value
+            err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < (1e-3 if dtype == torch.float32 else 1e-2), (dtype, group, config, err)
+            print("mma max error", dtype, group, config, err)
+    """
+)
+
+
+def test_live_attention_int8_mma_equals_the_dequantized_reference():
+    """``live_attention``'s tensor-core kernel over an int8 ring (``int8="mma"``), grouped KV
+    heads or not, against SDPA over the dequantized ring."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", LIVE_MMA_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("mma max error") == 6, done.stdout

@@ -13,7 +13,8 @@ row's prefix, a second kernel merges the chunks' softmax partials) does the read
 its grid is fixed by the capacity, so it replays inside a CUDA graph, and chunks past a
 row's length cost one load of the length. An int8 ring (``--moshi-kv-dtype int8``) is
 read as int32 words, each byte made a float without a conversion instruction
-(``_partials_int8``), and written by one kernel a layer (``write_quantized``). Anywhere
+(``_partials_int8``; ``_partials_int8_mma`` takes ``q . k`` and ``p . v`` to the tensor
+cores), and written by one kernel a layer (``write_quantized``). Anywhere
 else (the CPU, no Triton) the same prefix goes to ``scaled_dot_product_attention`` as a
 boolean mask of moshi's own shape, which gives moshi's results bit for bit.
 
@@ -49,11 +50,13 @@ class KernelConfig:
     block_n: int = 32  # keys loaded per iteration of a program
     warps: int = 2
     stages: int = 3
-    int8: str = "cast"  # "cast": int8 -> float32 a byte (the bf16 kernel's loop); "bits": ``_byte``
+    # "cast": int8 -> float32 a byte (the bf16 kernel's loop); "bits": ``_byte``; "mma": ``_byte``
+    # and the tensor cores (``_partials_int8_mma``)
+    int8: str = "cast"
 
     def __post_init__(self) -> None:
-        if self.int8 not in ("cast", "bits"):
-            raise ValueError(f"int8 read {self.int8!r}: cast or bits")
+        if self.int8 not in ("cast", "bits", "mma"):
+            raise ValueError(f"int8 read {self.int8!r}: cast, bits or mma")
 
     @classmethod
     def parse(cls, text: str) -> KernelConfig:
@@ -155,11 +158,15 @@ def live_attention(
         _partials[(b * kv_heads, splits)](*args, QUANT=scales is not None, **tiles)
     else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
         assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
-        _partials_int8[(b * kv_heads, splits)](*args, **tiles)
+        if config.int8 == "bits":
+            _partials_int8[(b * kv_heads, splits)](*args, **tiles)
+        else:  # tl.dot's operands: at least 16 rows (the query block, padded), keys and words
+            assert d >= 64 and config.block_n >= 16, "mma: head dim 64 or more, 16 keys or more a tile"
+            _partials_int8_mma[(b * kv_heads, splits)](*args, **{**tiles, "GROUP": max(16, tiles["GROUP"])})
     out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
     _merge[(b * h,)](
-        part_out, part_max, part_sum, out, splits,
-        SPLITS=triton.next_power_of_2(splits), D=d, num_warps=4,
+        part_out, part_max, part_sum, lengths, out, h, splits,
+        SPLITS=triton.next_power_of_2(splits), CHUNK=config.chunk, D=d, num_warps=4,
     )  # fmt: skip
     return out.view(b, h, 1, d)
 
@@ -293,6 +300,72 @@ if triton is not None:
         tl.store(PART_SUM + part, l_i, mask=used)
 
     @triton.jit
+    def _partials_int8_mma(
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        kv_heads, group, splits, scale,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """``_partials_int8`` with ``q . k`` and ``p . v`` on the tensor cores (``GROUP``: the query
+        block, padded to tl.dot's 16 rows). With the group's products on the CUDA cores, each
+        byte cost a conversion and ``group`` multiply-adds, a reduction across threads and, in
+        the 3-d broadcast, conversions repeated per query: at two queries a KV head the kernel
+        ran at 3-4x its memory floor. Here a byte costs its ``_byte`` and a cast to float16 (exact:
+        an int8 is), whatever the group, and the scales go to the scores and the weights, one
+        multiply a key: ``s = (q . k8) * k_scale``, ``acc += v_top * ((p * v_scale / v_top) . v8)``,
+        the weights taken over the tile's largest value scale ``v_top`` so that float16 keeps
+        their precision. A chunk past the row's length loads the length and nothing else."""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        if start < end:
+            W: tl.constexpr = D // 4
+            j = tl.arange(0, W)
+            k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
+            v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
+            ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
+            vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+            k_slot, v_slot = stride_kc // 4, stride_vc // 4  # in words
+            q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
+            q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float16)
+            q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float16)
+            q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float16)
+            q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float16)
+            m_i = tl.full([GROUP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP], dtype=tl.float32)
+            acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
+            acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
+            acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
+            acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                valid = n < end
+                kw = tl.load(k_words + n[:, None] * k_slot + j[None, :], mask=valid[:, None], other=0)
+                s = tl.dot(q0, tl.trans(_byte(kw, 0).to(tl.float16)))
+                s = tl.dot(q1, tl.trans(_byte(kw, 1).to(tl.float16)), s)
+                s = tl.dot(q2, tl.trans(_byte(kw, 2).to(tl.float16)), s)
+                s = tl.dot(q3, tl.trans(_byte(kw, 3).to(tl.float16)), s)
+                s = s * (tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32) * scale)[None, :]
+                m_new, alpha, p = _softmax_step(s, valid, m_i)
+                vs = tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)
+                v_top = tl.max(vs, axis=0)  # > 0: a scale is at least 1e-8 / 127
+                pv = (p * (vs * (1.0 / v_top))[None, :]).to(tl.float16)
+                vw = tl.load(v_words + n[:, None] * v_slot + j[None, :], mask=valid[:, None], other=0)
+                acc0 = acc0 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 0).to(tl.float16))
+                acc1 = acc1 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 1).to(tl.float16))
+                acc2 = acc2 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 2).to(tl.float16))
+                acc3 = acc3 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 3).to(tl.float16))
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            part = rows * splits + split
+            out = PART_OUT + part[:, None] * D + 4 * j[None, :]
+            tl.store(out, acc0, mask=used[:, None])
+            tl.store(out + 1, acc1, mask=used[:, None])
+            tl.store(out + 2, acc2, mask=used[:, None])
+            tl.store(out + 3, acc3, mask=used[:, None])
+            tl.store(PART_MAX + part, m_i, mask=used)
+            tl.store(PART_SUM + part, l_i, mask=used)
+
+    @triton.jit
     def _quantize_write(
         K, V, RING, SCALES, SLOT, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_r0, stride_rb, stride_rh, stride_rc, stride_s0, stride_sb, stride_sh, stride_sc,
@@ -318,12 +391,16 @@ if triton is not None:
         tl.store(at, scale.to(SCALES.dtype.element_ty))
 
     @triton.jit
-    def _merge(PART_OUT, PART_MAX, PART_SUM, OUT, splits, SPLITS: tl.constexpr, D: tl.constexpr) -> None:
-        """Merge one (row, head)'s chunks; a row with no live slot gets zeros."""
-        row = tl.program_id(0)
+    def _merge(
+        PART_OUT, PART_MAX, PART_SUM, LENGTHS, OUT, heads, splits,
+        SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """Merge one (row, head)'s live chunks (those past the row's length are neither read nor
+        need be written); a row with no live slot gets zeros."""
+        row = tl.program_id(0)  # b * heads + head
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, D)
-        used = s < splits
+        used = (s < splits) & (s * CHUNK < tl.load(LENGTHS + row // heads))
         m = tl.load(PART_MAX + row * splits + s, mask=used, other=float("-inf"))
         l_s = tl.load(PART_SUM + row * splits + s, mask=used, other=0.0)
         o = tl.load(PART_OUT + (row * splits + s)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
