@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -196,7 +197,13 @@ class MoshiEngine(Engine):
             _calibrate_codebooks(mimi)
         if self.family.prompted:
             self._layout = StreamLayout.of(lm, mimi)
-            self._voices = load_voices(self.voice_dir, mimi, lm.dim, lm.num_codebooks)
+            # A .pt voice's embeddings on the GPU once: copied from the host at each prompt, they
+            # would wait for everything queued before (a pageable copy does).
+            self._voices = {
+                name: dataclasses.replace(voice, embeddings=voice.embeddings.to(device, dtype))
+                if voice.embeddings is not None else voice
+                for name, voice in load_voices(self.voice_dir, mimi, lm.dim, lm.num_codebooks).items()
+            }  # fmt: skip
             self.takes_prompts, self.voices = True, tuple(self._voices)
         self.tokenizer = None
         if self.tokenizer_path:
@@ -246,6 +253,7 @@ class MoshiEngine(Engine):
             bucket_sizes,
             streaming_modules,
         )
+        from duplexserve.engine_bridge.moshi.row_reset import RowReset
 
         torch = self._torch
         n = self.frame_samples
@@ -277,6 +285,9 @@ class MoshiEngine(Engine):
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
         self._rows = RowBuckets(streaming_modules(self.mimi, self.lm_gen), b, bucket_sizes(b))
+        with torch.no_grad(), self._no_compile():
+            self._reset_rows = RowReset((self.mimi, self.lm_gen), self._rows.views, b, self.device,
+                                        self.cuda_graphs)  # fmt: skip
         if self.family.prompted:  # prompts.py: each row's user codes held back a step
             lm = self.lm_gen.lm_model
             user = lm.num_codebooks - 1 - lm.dep_q
@@ -376,6 +387,7 @@ class MoshiEngine(Engine):
         for module in (self.mimi, self.lm_gen, self.lm_gen.lm_model):
             module._stop_streaming()
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
+        self._reset_rows = None  # type: ignore[assignment]
         self._prefill_runner = None
         gc.collect()  # the old states and their CUDA graphs hold memory until collected
         if self.device.type == "cuda":
@@ -463,11 +475,8 @@ class MoshiEngine(Engine):
         # hold this thread (and the next step of every live session) until the forward is done.
         tokens = torch.from_numpy(prompt.tokens[: n + 1].T.copy()).to(self.device)  # [streams, n + 1]
         with torch.no_grad(), self._eager():
-            self._rows.views.use(self.num_slots)  # the full states: the row is reset in place
-            mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-            mask[row] = True
-            self.mimi.reset_streaming(mask)
-            self.lm_gen.reset_streaming(mask)
+            self._rows.views.use(self.num_slots)  # the full states: the prefix goes into the full ring
+            self._reset_rows(np.arange(row + 1) == row)
             self._rows.map.reset[row] = False
             rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
             prefix = self._prompt_cache.get(key)
@@ -555,9 +564,7 @@ class MoshiEngine(Engine):
             rows, size, reset = self._rows.prepare(slots)  # the step runs rows [0, size)
             self._mimi_encode, self._mimi_decode = self._mimi_fns[size]
             if reset is not None:
-                mask = torch.from_numpy(reset).to(self.device)  # one copy, not one a module
-                self.mimi.reset_streaming(mask)
-                self.lm_gen.reset_streaming(mask)
+                self._reset_rows(reset)
             exec_mask = self._exec
             exec_mask[:] = False
             exec_mask[rows] = True
@@ -653,6 +660,7 @@ class MoshiEngine(Engine):
         self._prefill_runner = None
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
+        self._reset_rows = None  # type: ignore[assignment]
         torch = getattr(self, "_torch", None)
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
