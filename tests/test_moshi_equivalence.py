@@ -317,6 +317,7 @@ KERNEL_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.timeout(660)  # the interpreter: about 4 minutes on the 2-core machine
 def test_the_triton_kernel_equals_the_masked_reference():
     """The CUDA path's kernel, run by Triton's interpreter on the CPU, alone (grouped KV heads
     too) and in the LM (tiny and tiny-zero)."""
