@@ -470,10 +470,10 @@ class MoshiEngine(Engine):
         row = int(self._rows.map.row_of[slot])
         lm = self.lm_gen.lm_model
         n = prompt.frames - 1  # positions the prompt runs through the transformer
-        # Everything the prompt needs from the host goes over in one copy, first: a copy from
-        # pageable memory waits for the GPU's queue, and after the prefill's forward it would
-        # hold this thread (and the next step of every live session) until the forward is done.
-        tokens = torch.from_numpy(prompt.tokens[: n + 1].T.copy()).to(self.device)  # [streams, n + 1]
+        # Nothing here may wait for the GPU (a copy from pageable memory or a tensor element set
+        # from a Python number does): after the forward's launch it would hold this thread, and
+        # the next step of every live session, until the forward is done.
+        tokens = self._to_device(prompt.tokens[: n + 1].T)  # [streams, n + 1]
         with torch.no_grad(), self._eager():
             self._rows.views.use(self.num_slots)  # the full states: the prefix goes into the full ring
             self._reset_rows(np.arange(row + 1) == row)
@@ -492,12 +492,12 @@ class MoshiEngine(Engine):
                 prefix = self._prefill_runner.run(x)  # on a scratch row (prefill.py)
                 self._keep_prompt(key, prefix)
             write_ring_prefix(rings, row, prefix)
-            lm.transformer._streaming_state.offsets[row] = n
+            lm.transformer._streaming_state.offsets[row].fill_(n)
             state = self.lm_gen._streaming_state
-            state.offsets[row] = n
+            state.offsets[row].fill_(n)
             state.cache[row, :, n % state.cache.shape[2]] = tokens[:, n]
             self._held[row, :, 0] = self._sine
-            self._lagged[row] = True
+            self._lagged[row].fill_(True)
         self._lead[slot] = 0  # the prompt's delay is behind it: every step answers
         forced = [row_tokens[1 : 1 + lm.dep_q] for row_tokens in prompt.forced_after]
         self._forced[slot] = [f for f in forced if (f >= 0).any()]
@@ -533,9 +533,16 @@ class MoshiEngine(Engine):
         for slot in [s for s, left in self._forced.items() if not left]:
             del self._forced[slot]
         if due:
-            torch = self._torch
-            at = torch.tensor([r for r, _ in due], device=self.device)
-            self._forcing = (at, torch.from_numpy(np.stack([t for _, t in due])).to(self.device))
+            at = self._to_device(np.array([r for r, _ in due]))
+            self._forcing = (at, self._to_device(np.stack([t for _, t in due])))
+
+    def _to_device(self, array: np.ndarray) -> Any:
+        """``array`` on the engine's device without waiting for the GPU's queue: through
+        pinned memory (torch's caching host allocator), copied asynchronously."""
+        host = self._torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _force_audio(self, audio_tokens: Any) -> None:
         """LMGen's audio hook: the depformer's tokens replaced where a prompt forces them."""
