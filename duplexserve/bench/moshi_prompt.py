@@ -254,4 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--assets", default="", help="leave the tokenizer and the voice here")
     p.add_argument("--out", default="")
-    p.add_argument("--profile", default="", help="append torch.profiler's table of the prompt rounds here")
+    p.add_argument(
+        "--profile", default="",
+        help="append here the engine thread's time in the prompt calls by op, and where it waited on the GPU",
+    )  # fmt: skip

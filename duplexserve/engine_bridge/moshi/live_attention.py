@@ -292,6 +292,14 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         part = rows * splits + split
+        _store_words(PART_OUT, PART_MAX, PART_SUM, part, used, j, D, acc0, acc1, acc2, acc3, m_i, l_i)
+
+    @triton.jit
+    def _store_words(  # type: ignore[no-untyped-def]
+        PART_OUT, PART_MAX, PART_SUM, part, used, j, D: tl.constexpr, acc0, acc1, acc2, acc3, m_i, l_i
+    ):
+        """A chunk's partials, its output held as four accumulators: element ``4 j + i`` of the
+        head in ``acc<i>[:, j]`` (the int8 kernels' layout)."""
         out = PART_OUT + part[:, None] * D + 4 * j[None, :]
         tl.store(out, acc0, mask=used[:, None])
         tl.store(out + 1, acc1, mask=used[:, None])
@@ -358,13 +366,7 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
             part = rows * splits + split
-            out = PART_OUT + part[:, None] * D + 4 * j[None, :]
-            tl.store(out, acc0, mask=used[:, None])
-            tl.store(out + 1, acc1, mask=used[:, None])
-            tl.store(out + 2, acc2, mask=used[:, None])
-            tl.store(out + 3, acc3, mask=used[:, None])
-            tl.store(PART_MAX + part, m_i, mask=used)
-            tl.store(PART_SUM + part, l_i, mask=used)
+            _store_words(PART_OUT, PART_MAX, PART_SUM, part, used, j, D, acc0, acc1, acc2, acc3, m_i, l_i)
 
     @triton.jit
     def _quantize_write(
