@@ -70,8 +70,13 @@ def test_sessions_moved_between_rows_equal_kyutais_batch1_loop():
     engine = make_engine()
     try:
         assert engine._rows.sizes == [1, 2, 3, 4, 6]  # every state of the model has views
+        views, copied = engine._rows.views, []
+        assert len(views.prefixed) == len(engine.lm_gen.lm_model.transformer.layers)  # the LM's rings
+        live_prefix = views.live_prefix
+        views.live_prefix = lambda src: copied.append(live_prefix(src)) or copied[-1]
         outputs, tokens, inputs = run_sessions(engine, SESSIONS)
         assert engine._rows.moves >= 3
+        assert copied and all(0 < n <= CONTEXT for n in copied) and min(copied) < CONTEXT, copied
         models = stock_models(engine, CONTEXT)
         for out, tok, x in zip(outputs, tokens, inputs, strict=True):
             ref_audio, ref_tokens = server_loop(models, x)

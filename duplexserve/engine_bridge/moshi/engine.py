@@ -47,6 +47,9 @@ from duplexserve.engine_bridge.moshi.prompts import (
 )
 
 log = logging.getLogger(__name__)
+#: A step this long (and 3x the mean) makes every live session's answer late: it is logged with
+#: what it did.
+SLOW_STEP_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class MoshiEngine(Engine):
             raise ValueError(f"--moshi-cfg-coef {cfg_coef}: this LM has no conditioning to guide")
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
+        self._prompts_since_step = [0, 0]  # new (a forward), cached (a copy)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -285,6 +289,7 @@ class MoshiEngine(Engine):
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
         self._rows = RowBuckets(streaming_modules(self.mimi, self.lm_gen), b, bucket_sizes(b))
+        self._prefix_moves(self._rows.views)
         with torch.no_grad(), self._no_compile():
             self._reset_rows = RowReset((self.mimi, self.lm_gen), self._rows.views, b, self.device,
                                         self.cuda_graphs)  # fmt: skip
@@ -309,6 +314,25 @@ class MoshiEngine(Engine):
         }
         self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
         self._warm_up(self._rows.sizes if graphed else [b])
+
+    def _prefix_moves(self, views: Any) -> None:
+        """A row moved down (row_buckets.py) copies of the LM's KV rings only the slots it has
+        filled: a ring as long as the context holds a row's keys in ``[0, min(steps,
+        capacity))``, its transformer's offset counting the steps (a prefill's too)."""
+        torch = self._torch
+        transformer = self.lm_gen.lm_model.transformer
+        rings = [layer.self_attn._streaming_state.kv_cache for layer in transformer.layers]
+        if any(ring is None for ring in rings) or not views.tensors:
+            return
+        offsets = transformer._streaming_state.offsets  # the full state's: updated in place
+        capacity = rings[0].cache.shape[3]
+        tensors = [t for ring in rings for t in (ring.cache, getattr(ring, "scale", None)) if t is not None]
+        views.prefixed = {id(t) for t in tensors}
+
+        def live(src: np.ndarray) -> int:  # one read from the GPU, at a move only
+            return min(int(offsets[torch.from_numpy(src).to(offsets.device)].max()), capacity)
+
+        views.live_prefix = live
 
     def _condition_tensors(self, lm: Any, batch: int) -> dict[str, Any]:
         """moshi's own conditions of the family (Hibiki: "very_good", and "very_bad" rows
@@ -480,6 +504,7 @@ class MoshiEngine(Engine):
             self._rows.map.reset[row] = False
             rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
             prefix = self._prompt_cache.get(key)
+            self._prompts_since_step[prefix is not None] += 1
             if prefix is not None:  # the same prompt left these keys and values before
                 self._prompt_cache.move_to_end(key)
             else:
@@ -567,6 +592,7 @@ class MoshiEngine(Engine):
         if self.family.prompted and self._unprompted:  # stepped before any prompt: the default one
             for slot in self._unprompted.intersection(slots.tolist()):
                 self.prompt(slot, {})
+        moves = self._rows.moves
         with torch.no_grad(), self._no_compile():
             rows, size, reset = self._rows.prepare(slots)  # the step runs rows [0, size)
             self._mimi_encode, self._mimi_decode = self._mimi_fns[size]
@@ -622,9 +648,20 @@ class MoshiEngine(Engine):
             done = (eoi_at >= 0) & (steps > eoi_at) & ready
             done &= self._text_np[rows] == self.family.eos_text_id
             finished = np.flatnonzero(done).tolist() or None
-        self.timings["steps"] += 1
-        self.timings["step_s"] += time.perf_counter() - started
-        self.timings["host_s"] += queued - started
+        wall = time.perf_counter() - started
+        timings = self.timings
+        usual = timings["step_s"] / timings["steps"] if timings["steps"] else wall
+        timings["steps"] += 1
+        timings["step_s"] += wall
+        timings["host_s"] += queued - started
+        if wall > max(SLOW_STEP_S, 3 * usual):  # the rare step that makes every session late
+            log.warning(
+                "moshi engine: a %.0f ms step (%.0f ms queueing it): %d rows in a bucket of %d, %d moved, "
+                "%d reset; before it %d new prompts and %d cached", 1000 * wall, 1000 * (queued - started),
+                len(rows), size, self._rows.moves - moves, 0 if reset is None else int(reset.sum()),
+                *self._prompts_since_step,
+            )  # fmt: skip
+        self._prompts_since_step = [0, 0]
         return StepResult(audio, text, finished)
 
     def _refresh_lm_mask(self) -> None:
