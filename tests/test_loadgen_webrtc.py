@@ -113,7 +113,7 @@ OFFER = "\r\n".join([
 @pytest.mark.parametrize(
     ("maxptime", "longest", "sent"),
     [(None, 80, 80), (None, 20, 20), (120, 80, 80), (60, 80, 40), (40, 80, 40), (20, 80, 20), (10, 80, 20),
-     (79, 40, 40)],
+     (79, 40, 40), ("x", 80, 80), ("inf", 80, 80)],
 )  # fmt: skip
 def test_the_server_sends_the_longest_packets_the_offer_allows(maxptime, longest, sent):
     offer = OFFER if maxptime is None else with_audio_attribute(OFFER, "maxptime", maxptime)
@@ -121,7 +121,8 @@ def test_the_server_sends_the_longest_packets_the_offer_allows(maxptime, longest
 
 
 @pytest.mark.parametrize(
-    ("ptime", "sent"), [(None, 20), (20, 20), (40, 40), (60, 40), (80, 80), (120, 80), ("x", 80)]
+    ("ptime", "sent"),
+    [(None, 20), (20, 20), (40, 40), (60, 40), (80, 80), (120, 80), ("x", 20), ("inf", 20), ("nan", 20)],
 )
 def test_the_load_generator_sends_the_packets_the_answer_asks_for(ptime, sent):
     answer = OFFER if ptime is None else with_audio_attribute(OFFER, "ptime", ptime)

@@ -196,21 +196,23 @@ def packet_ms(sdp: str, longest: int) -> int:
     80, whole fractions of a model frame), less where its audio section's ``a=maxptime``
     asks for less. Without one, any length up to 120 ms is allowed (RFC 7587: a receiver
     decodes every Opus packet), so an 80 ms frame goes as one."""
-    return _whole_fraction(audio_attribute(sdp, "maxptime"), longest)
+    return _packet_ms(audio_attribute(sdp, "maxptime"), longest, otherwise=longest)
 
 
 def asked_ms(sdp: str) -> int:
     """The packets a peer's description asks to receive (``a=ptime``, as libwebrtc reads
-    it): 20, 40 or 80 ms, the longest not above it; 20 ms, browsers' own, where none."""
-    value = audio_attribute(sdp, "ptime")
-    return _whole_fraction(value, 80) if value is not None else 20
+    it): 20, 40 or 80 ms, the longest not above it; 20 ms, browsers' own, where none or
+    unreadable (a browser ignores a malformed one)."""
+    return _packet_ms(audio_attribute(sdp, "ptime"), 80, otherwise=20)
 
 
-def _whole_fraction(limit: str | None, longest: int) -> int:
+def _packet_ms(value: str | None, longest: int, otherwise: int) -> int:
+    """20, 40 or 80 ms, the longest not above ``value`` nor ``longest``; ``otherwise``
+    where ``value`` is absent or no number."""
     try:
-        most = min(int(float(limit)), longest) if limit is not None else longest
-    except ValueError:
-        most = longest
+        most = min(int(float(value)), longest)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return otherwise
     return max((ms for ms in (20, 40, 80) if ms <= most), default=20)
 
 

@@ -145,6 +145,7 @@ class MoshiEngine(Engine):
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
         self._prompts_since_step = [0, 0]  # new (a forward), cached (a copy)
+        self._warming = False  # warm-up's steps compile and capture: slow on purpose, before ready
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -319,13 +320,15 @@ class MoshiEngine(Engine):
         """A row moved down (row_buckets.py) copies of the LM's KV rings only the slots it has
         filled: a ring as long as the context holds a row's keys in ``[0, min(steps,
         capacity))``, its transformer's offset counting the steps (a prefill's too)."""
+        from duplexserve.engine_bridge.moshi.row_buckets import RING_SLOTS
+
         torch = self._torch
         transformer = self.lm_gen.lm_model.transformer
         rings = [layer.self_attn._streaming_state.kv_cache for layer in transformer.layers]
         if any(ring is None for ring in rings) or not views.tensors:
             return
         offsets = transformer._streaming_state.offsets  # the full state's: updated in place
-        capacity = rings[0].cache.shape[3]
+        capacity = rings[0].cache.shape[RING_SLOTS]
         tensors = [t for ring in rings for t in (ring.cache, getattr(ring, "scale", None)) if t is not None]
         views.prefixed = {id(t) for t in tensors}
 
@@ -421,6 +424,7 @@ class MoshiEngine(Engine):
     def _warm_up(self, sizes: list[int]) -> None:
         """Step each of ``sizes`` rows until its CUDA graphs are captured and replayed (the
         full batch last, so the full-size states are current), then reset every row."""
+        self._warming = True
         for size in sizes:
             everyone = np.arange(size)
             silence = np.zeros((size, self.frame_samples), np.float32)
@@ -436,6 +440,7 @@ class MoshiEngine(Engine):
         self._eoi_at[:] = -1
         self._lead[:] = self.delay_frames
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
+        self._warming = False
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._rows.map.open(slot)  # the lowest free row, reset before it next steps
@@ -618,7 +623,7 @@ class MoshiEngine(Engine):
             if self.family.first_frame_reset:
                 self._reset_after_first_frame(slots, rows, size)
             if len(end_rows):
-                codes[torch.from_numpy(end_rows).to(self.device)] = self.mimi.cardinality
+                codes[self._to_device(end_rows)] = self.mimi.cardinality
                 self._mask_dev.copy_(self._exec_host, non_blocking=True)
                 self._refresh_lm_mask()
             if self.family.prompted:
@@ -654,7 +659,7 @@ class MoshiEngine(Engine):
         timings["steps"] += 1
         timings["step_s"] += wall
         timings["host_s"] += queued - started
-        if wall > max(SLOW_STEP_S, 3 * usual):  # the rare step that makes every session late
+        if wall > max(SLOW_STEP_S, 3 * usual) and not self._warming:  # a step that makes every session late
             log.warning(
                 "moshi engine: a %.0f ms step (%.0f ms queueing it): %d rows in a bucket of %d, %d moved, "
                 "%d reset; before it %d new prompts and %d cached", 1000 * wall, 1000 * (queued - started),
@@ -678,7 +683,7 @@ class MoshiEngine(Engine):
         if len(first):
             mask = np.zeros(size, dtype=bool)
             mask[first] = True
-            self.mimi.reset_streaming(self._torch.from_numpy(mask).to(self.device))
+            self.mimi.reset_streaming(self._to_device(mask))
 
     def _text(self, rows: np.ndarray, ready: np.ndarray) -> dict[int, str]:
         ids = self._text_np[rows]
