@@ -17,9 +17,6 @@ attention is checked the same way as a control.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -27,6 +24,7 @@ import pytest
 
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 from duplexserve.engine_bridge.moshi.reference import FRAME, lm_tokens, server_loop, stock_models
+from tests.triton_interpreter import run_interpreted
 
 CONTEXT = 16  # LM ring of 16 frames: the 40-frame session wraps it twice
 
@@ -322,9 +320,5 @@ def test_the_triton_kernel_equals_the_masked_reference():
     """The CUDA path's kernel, run by Triton's interpreter on the CPU, alone (grouped KV heads
     too) and in the LM (tiny and tiny-zero)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("max error") == 17, done.stdout
+    stdout = run_interpreted(KERNEL_CHECK, timeout=600)
+    assert stdout.count("max error") == 17, stdout

@@ -244,6 +244,30 @@ if triton is not None:
         return (((w >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
 
     @triton.jit
+    def _start_words(  # type: ignore[no-untyped-def]
+        Q, K, V, K_SCALE, V_SCALE, rows, b, g, D: tl.constexpr, GROUP: tl.constexpr,
+        stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    ):  # fmt: skip
+        """The int8 kernels' common start, so their reads and ``_store_words``'s layout agree:
+        word indices ``j``, the (row, KV head)'s ring as int32 words and its scales, the query
+        bytes' pointers (each kernel loads them in its own precision), and the running softmax
+        and four accumulators at their start."""
+        W: tl.constexpr = D // 4
+        j = tl.arange(0, W)
+        k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
+        v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
+        return j, k_words, v_words, ks_base, vs_base, q_at, m_i, l_i, acc0, acc1, acc2, acc3
+
+    @triton.jit
     def _partials_int8(
         Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
@@ -256,23 +280,14 @@ if triton is not None:
         too, for ``q . k`` on the tensor cores, measured no faster and twice the error:
         docs/benchmarks.md.)"""
         rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
-        W: tl.constexpr = D // 4
-        j = tl.arange(0, W)
-        k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
-        v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
-        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
-        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
-        q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
+        j, k_words, v_words, ks_base, vs_base, q_at, m_i, l_i, acc0, acc1, acc2, acc3 = _start_words(
+            Q, K, V, K_SCALE, V_SCALE, rows, b, g, D, GROUP,
+            stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        )  # fmt: skip
         q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
         q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
         q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
         q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
-        m_i = tl.full([GROUP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP], dtype=tl.float32)
-        acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
-        acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
-        acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
-        acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
@@ -327,24 +342,15 @@ if triton is not None:
         their precision. A chunk past the row's length loads the length and nothing else."""
         rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
         if start < end:
-            W: tl.constexpr = D // 4
-            j = tl.arange(0, W)
-            k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
-            v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
-            ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
-            vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+            j, k_words, v_words, ks_base, vs_base, q_at, m_i, l_i, acc0, acc1, acc2, acc3 = _start_words(
+                Q, K, V, K_SCALE, V_SCALE, rows, b, g, D, GROUP,
+                stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+            )  # fmt: skip
             k_slot, v_slot = stride_kc // 4, stride_vc // 4  # in words
-            q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
             q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float16)
             q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float16)
             q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float16)
             q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float16)
-            m_i = tl.full([GROUP], float("-inf"), tl.float32)
-            l_i = tl.zeros([GROUP], dtype=tl.float32)
-            acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
-            acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
-            acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
-            acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 valid = n < end
