@@ -5,12 +5,11 @@ codebook loop against stock moshi's logits."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interpreter import run_interpreted
 
 CHECKS = textwrap.dedent(
     """
@@ -40,32 +39,35 @@ CHECKS = textwrap.dedent(
             assert err < (1e-6 if dtype == torch.float32 else 2e-2), (c, t, dtype, group, err)
             print("kernel max error", c, t, dtype, group, err)
 
-    # Mimi, streaming: encoder transformer (via the latent) and decoder, ring of 6 (wraps at step 3).
-    cfg = {**TINY_MIMI, "transformer": {**TINY_MIMI["transformer"], "context": 6}}
-    stock = loaders.get_mimi(None, cfg, device="cpu", num_codebooks=4)
-    ring = loaders.get_mimi(None, cfg, device="cpu", num_codebooks=4)
-    ring.load_state_dict(stock.state_dict())
-    assert install_ring_attention(ring) and not install_ring_attention(ring)
-    batch = 5
-    rng = torch.Generator().manual_seed(1)
-    schedule = [
-        (torch.randn(batch, 1, 1920, generator=rng) * 0.1, torch.randint(0, 64, (batch, 4, 1), generator=rng),
-         torch.rand(batch, generator=rng) < 0.8, torch.rand(batch, generator=rng) < 0.1)
-        for _ in range(14)
-    ]
-    results = []
-    for mimi in (stock, ring):
-        outs = []
-        with torch.no_grad(), mimi.streaming(batch):
-            for pcm, codes, active, reset in schedule:
-                mimi.reset_streaming(reset)
-                mimi.set_exec_mask(active)
-                latent = mimi._encode_to_unquantized_latent(pcm)
-                outs.append(torch.cat([latent.flatten(1), mimi.decode(codes).flatten(1)], 1)[active])
-        results.append(torch.cat(outs))
-    err = ((results[0] - results[1]).abs().max() / results[0].abs().max()).item()
-    assert err < 1e-5, err
-    print("mimi max error", err)
+    # Mimi, streaming: encoder transformer (via the latent) and decoder; a ring of 6 (wraps at step
+    # 3; the broadcast products) and of 20 (wraps at step 10; tl.dot's, as Mimi's 250 slots).
+    for context in (6, 20):
+        cfg = {**TINY_MIMI, "transformer": {**TINY_MIMI["transformer"], "context": context}}
+        stock = loaders.get_mimi(None, cfg, device="cpu", num_codebooks=4)
+        ring = loaders.get_mimi(None, cfg, device="cpu", num_codebooks=4)
+        ring.load_state_dict(stock.state_dict())
+        assert install_ring_attention(ring) and not install_ring_attention(ring)
+        batch = 5
+        rng = torch.Generator().manual_seed(1)
+        schedule = [
+            (torch.randn(batch, 1, 1920, generator=rng) * 0.1,
+             torch.randint(0, 64, (batch, 4, 1), generator=rng),
+             torch.rand(batch, generator=rng) < 0.8, torch.rand(batch, generator=rng) < 0.1)
+            for _ in range(14)
+        ]
+        results = []
+        for mimi in (stock, ring):
+            outs = []
+            with torch.no_grad(), mimi.streaming(batch):
+                for pcm, codes, active, reset in schedule:
+                    mimi.reset_streaming(reset)
+                    mimi.set_exec_mask(active)
+                    latent = mimi._encode_to_unquantized_latent(pcm)
+                    outs.append(torch.cat([latent.flatten(1), mimi.decode(codes).flatten(1)], 1)[active])
+            results.append(torch.cat(outs))
+        err = ((results[0] - results[1]).abs().max() / results[0].abs().max()).item()
+        assert err < 1e-5, err
+        print("mimi max error", context, err)
 
     # The depformer's codebook loop (16 steps over a ring of 8 wrap it, as hibiki-2b-class's do);
     # tiny-zero's: grouped KV heads, a weight schedule, per-step output norms.
@@ -96,12 +98,9 @@ CHECKS = textwrap.dedent(
 
 def test_ring_attention_equals_moshis_masked_attention():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-c", CHECKS]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("kernel max error") == 10, done.stdout
-    assert "mimi max error" in done.stdout and done.stdout.count("depformer max error") == 2, done.stdout
+    stdout = run_interpreted(CHECKS, timeout=300)
+    assert stdout.count("kernel max error") == 10, stdout
+    assert stdout.count("mimi max error") == 2 and stdout.count("depformer max error") == 2, stdout
 
 
 LIVE_MMA_CHECK = textwrap.dedent(
@@ -139,9 +138,5 @@ def test_live_attention_int8_mma_equals_the_dequantized_reference():
     """``live_attention``'s tensor-core kernel over an int8 ring (``int8="mma"``), grouped KV
     heads or not, against SDPA over the dequantized ring."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", LIVE_MMA_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("mma max error") == 6, done.stdout
+    stdout = run_interpreted(LIVE_MMA_CHECK, timeout=300)
+    assert stdout.count("mma max error") == 6, stdout
