@@ -18,7 +18,8 @@ heads: the depformer of Hibiki-Zero). The grid is fixed by the batch, so it repl
 graph. On a ring of 16 slots or more (Mimi's) the two products are ``tl.dot``'s over the
 queries padded to 16 rows, in float32 ("ieee", as SDPA's float32 kernels): broadcast
 products reduced across threads cost 6.85 ms for Mimi's 16 calls at 512 rows on the H200,
-3.9x their KV bytes. ``reference`` is the same computation in plain torch, for the tests.
+3.9x their KV bytes (the tl.dot form is not yet timed on the H200). ``reference`` is the
+same computation in plain torch, for the tests.
 """
 
 from __future__ import annotations
