@@ -18,9 +18,9 @@
 #                           matmuls as TF32 (--moshi-fp32-matmul tf32), Mimi's CUDA graphs as
 #                           the library has them (--moshi-mimi-graph parts), LM context C,
 #                           the engine's step clock T ms (default 0: step at once; 80: one frame)
-#   breakdown | attention | agreement | mimi
+#   breakdown | attention | agreement | mimi | ring
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
-#                           Mimi's float32 matmuls as TF32 against float32)
+#                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention)
 #   breakdown-S | agreement-S | attention-S
 #                           the same with the arguments in $MOSHI_STEP_ARGS_<S in capitals>
 set -uo pipefail
@@ -57,7 +57,7 @@ for phase in "$@"; do
       kv=$([ "${parts[2]:-}" = int8 ] && echo int8 || echo bf16)
       python3 -m duplexserve bench moshi-steps --preset "$preset" --kv-dtype "$kv" \
         --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$phase.json" ;;
-    breakdown|attention|agreement|mimi)
+    breakdown|attention|agreement|mimi|ring)
       python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
     breakdown-*|agreement-*|attention-*)
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>

@@ -16,6 +16,8 @@
     mimi       Mimi alone on one set of weights, its float32 matmuls in float32 against
                TF32 (--moshi-fp32-matmul): the share of identical codes from the same
                input, and the SNR of the audio decoded from the same codes.
+    ring       Mimi's ring attention alone (16 calls in a CUDA graph): SDPA with the ring's
+               mask against the Triton kernel in each tile form, by batch and age.
 
 Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
 """
@@ -283,6 +285,61 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def cmd_ring(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Mimi's ring attention alone (8 heads of 64, float32, a ring of 250, 2 queries a step)
+    at each batch and age: 16 calls (Mimi's encoder and decoder layers) in one CUDA graph,
+    SDPA with the ring's mask (moshi's way) against the kernel in each ``--tiles`` form."""
+    import torch
+
+    from duplexserve.engine_bridge.moshi.ring_attention import reference, ring_attention
+
+    heads, dim, cap, t, calls = 8, 64, args.context or 250, 2, 16
+    tiles = [(kind == "dot", int(n), int(w)) for kind, n, w in (x.split("/") for x in args.tiles.split(","))]
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        qkv = torch.randn(b, t, 3, heads, dim, device="cuda")  # in_proj's output, as moshi splits it
+        q = qkv[:, :, 0].transpose(1, 2)  # [B, H, T, D], strided
+        cache = torch.randn(2, b, heads, cap, dim, device="cuda")
+        for age in [int(x) for x in args.ages.split(",")]:
+            ends = torch.full((b,), 2 * age - t, device="cuda", dtype=torch.long)
+            held = min(2 * age, cap)
+            row: dict[str, Any] = {"batch": b, "age": age, "held": held}
+            row["floor_ms"] = 1000 * calls * b * 2 * heads * held * dim * 4 / HBM_BYTES_PER_S
+            written = ends + t  # the reference counts this step's positions as written
+            truth = reference(q, cache[0], cache[1], written)
+            variants = [("sdpa", partial(reference, q, cache[0], cache[1], written))]
+            for dot, n, w in tiles:
+                tile = (dot, n, w)
+                variants.append((f"{'dot' if dot else 'bcast'}/{n}/{w}",
+                                 partial(ring_attention, q, cache[0], cache[1], ends, tile)))  # fmt: skip
+            for name, fn in variants:
+                try:
+                    out = fn()
+                    row[f"{name}_max_err"] = (out - truth).abs().max().item()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(calls):
+                            fn()
+                except Exception as exc:  # a tile that does not compile costs its column only
+                    row[f"{name}_error"] = repr(exc)[:200]
+                    continue
+                for _ in range(3):
+                    graph.replay()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.steps):
+                    graph.replay()
+                stop.record()
+                torch.cuda.synchronize()
+                row[f"{name}_ms"] = start.elapsed_time(stop) / args.steps
+                del graph
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del qkv, cache
+    return rows
+
+
 def _run_batched(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Sessions opening at different steps and skipping some, in one batch: audio, tokens."""
     from duplexserve.engine_bridge.moshi.reference import lm_tokens
@@ -522,7 +579,7 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
-    for name in ("breakdown", "attention", "agreement", "mimi"):
+    for name in ("breakdown", "attention", "agreement", "mimi", "ring"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="hibiki-2b-class")
         p.add_argument("--batches", default="1,32,64,128,192,224")
@@ -551,12 +608,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="chunk/block/warps/stages[/int8],...: attention's configurations (default 256/32/2/3), "
             "breakdown's int8 kernels, one engine each (default the engine's)",
         )  # fmt: skip
+        p.add_argument(
+            "--tiles",
+            default="bcast/64/4,dot/64/4,dot/32/2,dot/32/4,dot/64/2,dot/64/8,dot/128/4,dot/128/8,dot/256/8",
+            help="ring: kind/slots/warps,... (kind bcast or dot) of Mimi's ring attention",
+        )  # fmt: skip
         p.add_argument("--out", default="")
 
 
 def run(args: argparse.Namespace) -> None:
     parts = {
-        "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi
+        "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi,
+        "ring": cmd_ring,
     }  # fmt: skip
     rows = parts[args.part](args)
     if args.out:

@@ -60,7 +60,11 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: t
 
 
 def ring_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    ends: torch.Tensor,
+    tile: tuple[bool, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ``T`` newest positions of each row over its ring.
 
@@ -70,7 +74,8 @@ def ring_attention(
     ``ends`` holds, per row, the positions written before this step (moshi's
     ``end_offset``): ``[B]``, or ``[1]`` for a ring shared by every row (the depformer's).
     Returns a contiguous ``[B, H, T, D]`` in ``q``'s dtype. A row with no position held
-    gets zeros.
+    gets zeros. ``tile`` (tl.dot or not, slots per iteration, warps) overrides the choice
+    by ring length, for ``bench moshi-step ring``.
     """
     b, h, t, d = q.shape
     kv_heads, capacity = keys.shape[1:3]
@@ -79,7 +84,10 @@ def ring_attention(
     assert keys.stride(-1) == 1 and values.stride(-1) == 1
     out = torch.empty((b, h, t, d), device=q.device, dtype=q.dtype)
     dot = capacity >= DOT_MIN_SLOTS and d >= 16
-    if dot:  # a long ring (Mimi's): the products as tl.dot's, the queries padded to its 16 rows
+    if tile is not None:
+        dot, block_n, warps = tile
+        t_pad = 16 if dot else max(2, triton.next_power_of_2(group * t))
+    elif dot:  # a long ring (Mimi's): the products as tl.dot's, the queries padded to its 16 rows
         block_n, warps, t_pad = DOT_BLOCK_N, DOT_WARPS, 16
     else:
         # A tile no longer than the ring: the depformer's 8 slots do not pay for 64 (measured
