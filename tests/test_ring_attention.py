@@ -40,7 +40,7 @@ CHECKS = textwrap.dedent(
             print("kernel max error", c, t, dtype, group, err)
 
     # Mimi, streaming: encoder transformer (via the latent) and decoder; a ring of 6 (wraps at step
-    # 3; the broadcast products) and of 20 (wraps at step 10; tl.dot's, as Mimi's 250 slots).
+    # 3; a tile of 8 slots) and of 20 (wraps at step 10; a tile of 32, most of it past the ring).
     for context in (6, 20):
         cfg = {**TINY_MIMI, "transformer": {**TINY_MIMI["transformer"], "context": context}}
         stock = loaders.get_mimi(None, cfg, device="cpu", num_codebooks=4)

@@ -17,7 +17,7 @@
                TF32 (--moshi-fp32-matmul): the share of identical codes from the same
                input, and the SNR of the audio decoded from the same codes.
     ring       Mimi's ring attention alone (16 calls in a CUDA graph): SDPA with the ring's
-               mask against the Triton kernel in each tile form, by batch and age.
+               mask against the Triton kernel at each tile, by batch and age.
 
 Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
 """
@@ -288,13 +288,13 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
 def cmd_ring(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Mimi's ring attention alone (8 heads of 64, float32, a ring of 250, 2 queries a step)
     at each batch and age: 16 calls (Mimi's encoder and decoder layers) in one CUDA graph,
-    SDPA with the ring's mask (moshi's way) against the kernel in each ``--tiles`` form."""
+    SDPA with the ring's mask (moshi's way) against the kernel at each of ``--tiles``."""
     import torch
 
     from duplexserve.engine_bridge.moshi.ring_attention import reference, ring_attention
 
     heads, dim, cap, t, calls = 8, 64, args.context or 250, 2, 16
-    tiles = [(kind == "dot", int(n), int(w)) for kind, n, w in (x.split("/") for x in args.tiles.split(","))]
+    tiles = [(int(n), int(w)) for n, w in (x.split("/") for x in args.tiles.split(","))]
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         qkv = torch.randn(b, t, 3, heads, dim, device="cuda")  # in_proj's output, as moshi splits it
@@ -308,10 +308,9 @@ def cmd_ring(args: argparse.Namespace) -> list[dict[str, Any]]:
             written = ends + t  # the reference counts this step's positions as written
             truth = reference(q, cache[0], cache[1], written)
             variants = [("sdpa", partial(reference, q, cache[0], cache[1], written))]
-            for dot, n, w in tiles:
-                tile = (dot, n, w)
-                variants.append((f"{'dot' if dot else 'bcast'}/{n}/{w}",
-                                 partial(ring_attention, q, cache[0], cache[1], ends, tile)))  # fmt: skip
+            for n, w in tiles:
+                kernel = partial(ring_attention, q, cache[0], cache[1], ends, (n, w))
+                variants.append((f"kernel/{n}/{w}", kernel))
             for name, fn in variants:
                 try:
                     out = fn()
@@ -609,9 +608,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "breakdown's int8 kernels, one engine each (default the engine's)",
         )  # fmt: skip
         p.add_argument(
-            "--tiles",
-            default="bcast/64/4,dot/64/4,dot/32/2,dot/32/4,dot/64/2,dot/64/8,dot/128/4,dot/128/8,dot/256/8",
-            help="ring: kind/slots/warps,... (kind bcast or dot) of Mimi's ring attention",
+            "--tiles", default="64/4,32/2,64/2,64/8,128/8",
+            help="ring: slots per iteration/warps,... of Mimi's ring attention kernel",
         )  # fmt: skip
         p.add_argument("--out", default="")
 

@@ -15,10 +15,9 @@ the H200, the depformer's 96 another 5.8 ms (docs/benchmarks.md).
 row's held slots once, works out each slot's position from the ring's end, and keeps a
 running softmax per query, for every query head of the KV head's group (grouped KV
 heads: the depformer of Hibiki-Zero). The grid is fixed by the batch, so it replays inside a CUDA
-graph. On a ring of 16 slots or more (Mimi's) the two products are ``tl.dot``'s over the
-queries padded to 16 rows, in float32 ("ieee", as SDPA's float32 kernels): broadcast
-products reduced across threads cost 6.85 ms for Mimi's 16 calls at 512 rows on the H200,
-3.9x their KV bytes (the tl.dot form is not yet timed on the H200). ``reference`` is the
+graph. Measured on the H200 (``bench moshi-step ring``, Mimi's 16 calls at 512 rows, full
+ring): 6.8 ms against SDPA's 10.1 and a 1.9 ms floor of their KV bytes, and the products as
+``tl.dot``'s in float32 were no faster at any tile (6.8-11.3 ms). ``reference`` is the
 same computation in plain torch, for the tests.
 """
 
@@ -36,9 +35,6 @@ if triton is not None:
 
 BLOCK_N = 64  # most slots a program reads per iteration (Mimi's ring: four iterations)
 MAX_QUERIES = 4  # queries of a program (positions x heads of a group); Mimi's 2, Hibiki-Zero's depformer's 2
-DOT_MIN_SLOTS = 16  # rings at least this long use tl.dot (its smallest operand)
-DOT_BLOCK_N = 64
-DOT_WARPS = 4
 
 
 def slot_positions(ends: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -64,7 +60,7 @@ def ring_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     ends: torch.Tensor,
-    tile: tuple[bool, int, int] | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ``T`` newest positions of each row over its ring.
 
@@ -74,8 +70,8 @@ def ring_attention(
     ``ends`` holds, per row, the positions written before this step (moshi's
     ``end_offset``): ``[B]``, or ``[1]`` for a ring shared by every row (the depformer's).
     Returns a contiguous ``[B, H, T, D]`` in ``q``'s dtype. A row with no position held
-    gets zeros. ``tile`` (tl.dot or not, slots per iteration, warps) overrides the choice
-    by ring length, for ``bench moshi-step ring``.
+    gets zeros. ``tile`` (slots per iteration, warps) overrides the choice by ring length,
+    for ``bench moshi-step ring``.
     """
     b, h, t, d = q.shape
     kv_heads, capacity = keys.shape[1:3]
@@ -83,22 +79,18 @@ def ring_attention(
     assert group * kv_heads == h and group * t <= MAX_QUERIES and d == triton.next_power_of_2(d)
     assert keys.stride(-1) == 1 and values.stride(-1) == 1
     out = torch.empty((b, h, t, d), device=q.device, dtype=q.dtype)
-    dot = capacity >= DOT_MIN_SLOTS and d >= 16
     if tile is not None:
-        dot, block_n, warps = tile
-        t_pad = 16 if dot else max(2, triton.next_power_of_2(group * t))
-    elif dot:  # a long ring (Mimi's): the products as tl.dot's, the queries padded to its 16 rows
-        block_n, warps, t_pad = DOT_BLOCK_N, DOT_WARPS, 16
+        block_n, warps = tile
     else:
         # A tile no longer than the ring: the depformer's 8 slots do not pay for 64 (measured
         # on the H200 with 64 for both rings: 169 us a call for Mimi's 250 slots and for 8).
         block_n = min(BLOCK_N, triton.next_power_of_2(capacity))
-        warps, t_pad = (4 if block_n * d >= 4096 else 1), max(2, triton.next_power_of_2(group * t))
+        warps = 4 if block_n * d >= 4096 else 1
     _ring_attention[(b * kv_heads,)](
         q, keys, values, ends, out,
         *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], ends.stride(0) if ends.numel() > 1 else 0,
         kv_heads, group, t, capacity, 1.0 / math.sqrt(d),
-        T_PAD=t_pad, BLOCK_N=block_n, D=d, DOT=dot, num_warps=warps,
+        T_PAD=max(2, triton.next_power_of_2(group * t)), BLOCK_N=block_n, D=d, num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -111,7 +103,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kc,
         stride_vb, stride_vh, stride_vc, stride_end,
         kv_heads, group, t_len, capacity, scale,
-        T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+        T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     ) -> None:  # fmt: skip
         """One (row, KV head): every held slot, a running softmax for each of the T queries of
         each query head of the group (query ``i``: head ``i // T`` of the group, position ``i % T``)."""
@@ -138,10 +130,7 @@ if triton is not None:
             live = n < held
             pos = n + capacity * ((end - 1 - n) // capacity)  # the newest position at slot n
             k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=live[:, None], other=0.0)
-            if DOT:  # float32 products on the CUDA cores ("ieee"), as moshi's SDPA computes them
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [T, N]
-            else:
-                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [T, N]
             valid = live[None, :] & (pos[None, :] <= query_pos[:, None])
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -149,10 +138,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=live[:, None], other=0.0)
-            if DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
