@@ -45,6 +45,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -71,11 +72,17 @@ monotonic = time.monotonic
 
 
 def impair(
-    sender: Any, loss: float, jitter_ms: float, seed: int = 0, dropped_at: list[int] | None = None
+    sender: Any,
+    loss: float,
+    jitter_ms: float,
+    seed: int = 0,
+    dropped_at: list[int] | None = None,
+    lossy: Callable[[int], bool] | None = None,
 ) -> dict[str, int]:
     """Drop ``loss`` of the RTP packets ``sender`` sends and hold each other one for 0 to
     ``jitter_ms`` (so they may arrive out of order); returns the live counts, and appends
     each dropped packet's place in the sent order (0: the first) to ``dropped_at``.
+    ``lossy(place)`` says which packets loss may take (None: every one).
 
     It wraps the DTLS transport's ``_send_rtp`` (before SRTP), so a dropped packet leaves
     a gap in the sequence numbers, as one lost on the way would."""
@@ -87,7 +94,7 @@ def impair(
 
     async def send(data: bytes) -> None:
         counts["sent"] += 1
-        if rng.random() < loss:
+        if rng.random() < loss and (lossy is None or lossy(counts["sent"] - 1)):
             counts["dropped"] += 1
             if dropped_at is not None:
                 dropped_at.append(counts["sent"] - 1)
