@@ -294,7 +294,8 @@ def cmd_ring(args: argparse.Namespace) -> list[dict[str, Any]]:
     from duplexserve.engine_bridge.moshi.ring_attention import reference, ring_attention
 
     heads, dim, cap, t, calls = 8, 64, args.context or 250, 2, 16
-    tiles = [(int(n), int(w)) for n, w in (x.split("/") for x in args.tiles.split(","))]
+    parsed = (x.split("/") for x in args.tiles.split(","))
+    tiles = [(int(n), int(w), form == ["rows"]) for n, w, *form in parsed]
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         qkv = torch.randn(b, t, 3, heads, dim, device="cuda")  # in_proj's output, as moshi splits it
@@ -308,9 +309,9 @@ def cmd_ring(args: argparse.Namespace) -> list[dict[str, Any]]:
             written = ends + t  # the reference counts this step's positions as written
             truth = reference(q, cache[0], cache[1], written)
             variants = [("sdpa", partial(reference, q, cache[0], cache[1], written))]
-            for n, w in tiles:
-                kernel = partial(ring_attention, q, cache[0], cache[1], ends, (n, w))
-                variants.append((f"kernel/{n}/{w}", kernel))
+            for tile in tiles:
+                name = "kernel/{}/{}{}".format(*tile[:2], "/rows" if tile[2] else "")
+                variants.append((name, partial(ring_attention, q, cache[0], cache[1], ends, tile)))
             for name, fn in variants:
                 try:
                     out = fn()
@@ -608,8 +609,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "breakdown's int8 kernels, one engine each (default the engine's)",
         )  # fmt: skip
         p.add_argument(
-            "--tiles", default="64/4,32/2,64/2,64/8,128/8",
-            help="ring: slots per iteration/warps,... of Mimi's ring attention kernel",
+            "--tiles", default="64/4,64/4/rows,64/2/rows,64/8/rows,32/2/rows,32/1/rows,16/1/rows,128/8/rows",
+            help="ring: slots per iteration/warps[/rows: one query at a time],... of Mimi's ring kernel",
         )  # fmt: skip
         p.add_argument("--out", default="")
 

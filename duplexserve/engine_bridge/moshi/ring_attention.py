@@ -17,8 +17,11 @@ running softmax per query, for every query head of the KV head's group (grouped 
 heads: the depformer of Hibiki-Zero). The grid is fixed by the batch, so it replays inside a CUDA
 graph. Measured on the H200 (``bench moshi-step ring``, Mimi's 16 calls at 512 rows, full
 ring): 6.8 ms against SDPA's 10.1 and a 1.9 ms floor of their KV bytes, and the products as
-``tl.dot``'s in float32 were no faster at any tile (6.8-11.3 ms). ``reference`` is the
-same computation in plain torch, for the tests.
+``tl.dot``'s in float32 were no faster at any tile (6.8-11.3 ms). Its ``[T, N, D]``
+broadcast takes 255 registers a thread at 64 slots and 4 warps (ptxas for sm_90a), so two
+programs fit an SM; ``tile=(..., True)`` computes one query at a time (``[N, D]`` products,
+158 registers), a form not yet timed on the H200 and so not the default. ``reference`` is
+the same computation in plain torch, for the tests.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def ring_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     ends: torch.Tensor,
-    tile: tuple[int, int] | None = None,
+    tile: tuple[int, int, bool] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ``T`` newest positions of each row over its ring.
 
@@ -70,8 +73,8 @@ def ring_attention(
     ``ends`` holds, per row, the positions written before this step (moshi's
     ``end_offset``): ``[B]``, or ``[1]`` for a ring shared by every row (the depformer's).
     Returns a contiguous ``[B, H, T, D]`` in ``q``'s dtype. A row with no position held
-    gets zeros. ``tile`` (slots per iteration, warps) overrides the choice by ring length,
-    for ``bench moshi-step ring``.
+    gets zeros. ``tile`` (slots per iteration, warps, one query at a time) overrides the
+    choice by ring length, for ``bench moshi-step ring``.
     """
     b, h, t, d = q.shape
     kv_heads, capacity = keys.shape[1:3]
@@ -79,8 +82,9 @@ def ring_attention(
     assert group * kv_heads == h and group * t <= MAX_QUERIES and d == triton.next_power_of_2(d)
     assert keys.stride(-1) == 1 and values.stride(-1) == 1
     out = torch.empty((b, h, t, d), device=q.device, dtype=q.dtype)
+    rows = False
     if tile is not None:
-        block_n, warps = tile
+        block_n, warps, rows = tile
     else:
         # A tile no longer than the ring: the depformer's 8 slots do not pay for 64 (measured
         # on the H200 with 64 for both rings: 169 us a call for Mimi's 250 slots and for 8).
@@ -90,7 +94,7 @@ def ring_attention(
         q, keys, values, ends, out,
         *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], ends.stride(0) if ends.numel() > 1 else 0,
         kv_heads, group, t, capacity, 1.0 / math.sqrt(d),
-        T_PAD=max(2, triton.next_power_of_2(group * t)), BLOCK_N=block_n, D=d, num_warps=warps,
+        T_PAD=max(2, triton.next_power_of_2(group * t)), BLOCK_N=block_n, D=d, ROWS=rows, num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -103,7 +107,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kc,
         stride_vb, stride_vh, stride_vc, stride_end,
         kv_heads, group, t_len, capacity, scale,
-        T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     ) -> None:  # fmt: skip
         """One (row, KV head): every held slot, a running softmax for each of the T queries of
         each query head of the group (query ``i``: head ``i // T`` of the group, position ``i % T``)."""
@@ -130,7 +134,14 @@ if triton is not None:
             live = n < held
             pos = n + capacity * ((end - 1 - n) // capacity)  # the newest position at slot n
             k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=live[:, None], other=0.0)
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [T, N]
+            if ROWS:  # one query at a time: [N, D] products, never [T, N, D]
+                s = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
+                for r in tl.static_range(T_PAD):
+                    q_r = tl.sum(tl.where(i[:, None] == r, q, 0.0), axis=0)
+                    s_r = tl.sum(k.to(tl.float32) * q_r[None, :], axis=1)
+                    s = tl.where(i[:, None] == r, s_r[None, :], s)
+            else:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [T, N]
             valid = live[None, :] & (pos[None, :] <= query_pos[:, None])
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -138,7 +149,15 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=live[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            if ROWS:
+                pv = tl.zeros([T_PAD, D], dtype=tl.float32)
+                for r in tl.static_range(T_PAD):
+                    p_r = tl.sum(tl.where(i[:, None] == r, p, 0.0), axis=0)
+                    pv_r = tl.sum(p_r[:, None] * v.to(tl.float32), axis=0)
+                    pv = tl.where(i[:, None] == r, pv_r[None, :], pv)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
