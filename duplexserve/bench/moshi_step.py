@@ -618,7 +618,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "breakdown's int8 kernels, one engine each (default the engine's)",
         )  # fmt: skip
         p.add_argument(
-            "--tiles", default="64/4,64/4/rows,64/2/rows,64/8/rows,32/2/rows,32/1/rows,16/1/rows,128/8/rows",
+            "--tiles", default="64/4,32/4,16/4,64/4/rows,64/8/rows,32/4/rows,32/2/rows,16/4/rows,16/2/rows",
             help="ring: slots per iteration/warps[/rows: one query at a time],... of Mimi's ring kernel",
         )  # fmt: skip
         p.add_argument("--out", default="")
