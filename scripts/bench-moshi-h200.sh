@@ -23,13 +23,18 @@
 #                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention)
 #   breakdown-S | agreement-S | attention-S
 #                           the same with the arguments in $MOSHI_STEP_ARGS_<S in capitals>
+#   PHASE@REF               PHASE run by the package in .ab/REF (an older tree, for A/B runs on one
+#                           GPU: git archive REF duplexserve | tar -x -C .ab/REF, and carry .ab)
 set -uo pipefail
-OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
+OUT="${OUT:-bench-out}"; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+ROOT="$PWD"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && [ -z "${MOSHI_BENCH_SITE:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD" MOSHI_BENCH_SITE=1
+  export MOSHI_BENCH_SITE=1
 fi
+SITE=$([ -n "${MOSHI_BENCH_SITE:-}" ] && echo /tmp/site:)
+export PYTHONPATH="$SITE$ROOT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, moshi, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'moshi', moshi.__version__, 'numpy', numpy.__version__)"
 nproc
@@ -42,8 +47,12 @@ preset_of() {  # a phase's MODEL: a short name, or a preset's name without its d
 print(next(n for n in PRESETS if n.replace('-', '') == sys.argv[1]))" "$1" ;;
   esac
 }
-for phase in "$@"; do
-  echo "=== $phase $(date +%T)"
+for spec in "$@"; do
+  echo "=== $spec $(date +%T)"
+  phase="${spec%@*}"; tree="$ROOT"
+  [ "$phase" != "$spec" ] && tree="$ROOT/.ab/${spec#*@}"
+  cd "$tree" || continue
+  export PYTHONPATH="$SITE$tree"
   case "$phase" in
     steps-hibiki)
       python3 -m duplexserve bench moshi-steps --preset hibiki-2b --batches 1,32,64,96,128,192 --steps 50 \
@@ -56,13 +65,13 @@ for phase in "$@"; do
       preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
       kv=$([ "${parts[2]:-}" = int8 ] && echo int8 || echo bf16)
       python3 -m duplexserve bench moshi-steps --preset "$preset" --kv-dtype "$kv" \
-        --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$phase.json" ;;
+        --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$spec.json" ;;
     breakdown|attention|agreement|mimi|ring)
-      python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$phase.json" ;;
+      python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$spec.json" ;;
     breakdown-*|agreement-*|attention-*)
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
       part="${phase%%-*}"; suffix="${phase#*-}"; var="MOSHI_STEP_ARGS_${suffix^^}"
-      python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$phase.json" ;;
+      python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$spec.json" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"
       preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
@@ -81,9 +90,10 @@ for phase in "$@"; do
       done
       python3 -m duplexserve bench moshi-rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
         --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
-      [ -f "$OUT/one.json" ] && { python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/one.json" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }
-      { echo "=== $phase"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | tail -40; } >>"$OUT/server-logs.txt"
+      [ -f "$OUT/one.json" ] && { python3 -c "import json,sys; print(json.dumps({'phase': sys.argv[2], **json.load(open(sys.argv[1]))}))" "$OUT/one.json" "$spec" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }
+      { echo "=== $spec"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | tail -40; } >>"$OUT/server-logs.txt"
       rm -f "$OUT/server.log.tmp" ;;
   esac
+  cd "$ROOT"
 done
 echo "=== done $(date +%T)"
