@@ -35,7 +35,13 @@ if [ -d .whl ] && [ -z "${MOSHI_BENCH_SITE:-}" ]; then
 fi
 SITE=$([ -n "${MOSHI_BENCH_SITE:-}" ] && echo /tmp/site:)
 export PYTHONPATH="$SITE$ROOT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# The card and what bounds its clocks (runs on different days compare only if these agree).
+gpu_state() {  # (clocks_event_reasons: drivers of 535 and later; else without it)
+  local fields=name,memory.total,driver_version,power.limit,power.draw,clocks.sm,clocks.max.sm,temperature.gpu
+  nvidia-smi --query-gpu="$fields,clocks_event_reasons.active" --format=csv 2>/dev/null ||
+    nvidia-smi --query-gpu="$fields" --format=csv
+}
+gpu_state
 python3 -c "import torch, moshi, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'moshi', moshi.__version__, 'numpy', numpy.__version__)"
 nproc
 preset_of() {  # a phase's MODEL: a short name, or a preset's name without its dashes
@@ -95,5 +101,6 @@ for spec in "$@"; do
       rm -f "$OUT/server.log.tmp" ;;
   esac
   cd "$ROOT"
+  gpu_state | tail -1
 done
 echo "=== done $(date +%T)"
