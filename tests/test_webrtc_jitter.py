@@ -76,15 +76,43 @@ def test_a_sender_running_ahead_is_trimmed_to_depth_plus_slack():
     for i in range(20):
         jb.push(ts(i), payload(i))
     jb.pull()
-    assert jb.queued == 5 and jb.counts.overflow == 11
+    assert jb.queued == 5 and jb.counts.overflow == jb.counts.skipped == 11
     assert kinds(jb.pull())[0] == (DECODE, payload(15))  # the newest kept, latency bounded
+    # A gap among the trimmed packets is passed over too: skipped, not concealed.
+    jb = JitterBuffer(depth=3, slack=2)
+    for i in range(20):
+        if i != 6:
+            jb.push(ts(i), payload(i))
+    jb.pull()
+    assert (jb.counts.overflow, jb.counts.skipped, jb.counts.concealed + jb.counts.recovered) == (10, 11, 0)
+
+
+def test_a_clock_catching_up_after_its_loop_stood_still_plays_what_came_meanwhile():
+    def stalled(backlogs: tuple[int, ...]) -> tuple[JitterBuffer, list]:
+        jb = JitterBuffer(depth=3, slack=8)
+        for i in range(7):
+            jb.push(ts(i), payload(i))
+        jb.pull()
+        for i in range(7, 23):  # 320 ms of packets while the loop stood still (one of them lost)
+            if i != 12:
+                jb.push(ts(i), payload(i))
+        return jb, [play for backlog in backlogs for play in jb.pull(backlog=backlog)]
+
+    # The clock plays the 4 frames now due at once, and says so: nothing is dropped, the gap is
+    # recovered, the stream goes on where it was.
+    jb, plays = stalled((3, 2, 1, 0))
+    assert jb.counts.overflow == jb.counts.skipped == 0 and jb.counts.recovered == 1
+    assert [p.payload for p in plays if p.kind is DECODE] == [payload(i) for i in range(4, 20) if i != 12]
+    # The same queue pulled as one frame on time is a sender running ahead: trimmed to depth + slack.
+    jb, _ = stalled((0,))
+    assert jb.counts.overflow == jb.counts.skipped == 3 and jb.queued == 11
 
 
 def test_a_jump_past_the_capacity_starts_over_at_the_new_packet():
     jb = JitterBuffer(capacity=16)
     jb.push(ts(0), payload(0))
     jb.push(ts(100), payload(100))
-    assert jb.counts.resyncs == 1
+    assert jb.counts.resyncs == 1 and jb.counts.skipped == 100  # the first packet's included
     assert kinds(jb.pull())[0] == (DECODE, payload(100))
 
 

@@ -223,17 +223,18 @@ class WebRTCConnection(RealtimeConnection):
             length = min(packet_samples(payload) / RTP_RATE or PACKET_S, FRAME_S)
             self.clock.join(self, now + FRAME_S - length + jitter.depth * PACKET_S, self._on_tick)
 
-    def _on_tick(self) -> None:
+    def _on_tick(self, backlog: int) -> None:
         session = self.session
         if session is None or session.closed or self._hung_up:
             self.clock.leave(self)
             return
-        self._play(session)
+        self._play(session, backlog)
 
-    def _play(self, session: Any) -> None:
-        """One model frame of the stream, as the jitter buffer says, into the session."""
+    def _play(self, session: Any, backlog: int) -> None:
+        """One model frame of the stream, as the jitter buffer says, into the session;
+        ``backlog`` more follow at once (the clock catching up)."""
         pieces, heard, opus = [], False, self.opus_in
-        for kind, payload, duration in self.jitter.pull():
+        for kind, payload, duration in self.jitter.pull(backlog=backlog):
             samples = duration // 2  # RTP units are 48 kHz, the decoder gives 24 kHz
             try:
                 if kind is DECODE:
@@ -626,7 +627,8 @@ class WebRTCCollector(Collector):
         packets = CounterMetricFamily(
             "duplexserve_jitter_packets",
             "incoming audio packets by what the jitter buffer did: packets (received), late, duplicate, "
-            "concealed and recovered (20 ms pieces), overflow (dropped, sender ahead), resyncs",
+            "concealed and recovered (20 ms pieces), overflow (dropped, sender ahead), resyncs, skipped "
+            "(20 ms pieces passed over unplayed)",
             labels=["protocol", "event"],
         )
         for name, value in totals.items():

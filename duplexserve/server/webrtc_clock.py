@@ -38,7 +38,7 @@ class PlayClock:
         self._loop = loop
         self._slots = slots
         self._step = frame_s / slots
-        self._members: list[dict[object, tuple[int, Callable[[], None]]]] = [{} for _ in range(slots)]
+        self._members: list[dict[object, tuple[int, Callable[[int], None]]]] = [{} for _ in range(slots)]
         self._where: dict[object, int] = {}  # member -> its slot
         self._origin = 0.0
         self._next = 0  # the next tick to run, counted from the origin
@@ -47,9 +47,11 @@ class PlayClock:
     def __len__(self) -> int:
         return len(self._where)
 
-    def join(self, key: object, not_before: float, play: Callable[[], None]) -> float:
-        """``play()`` once a frame from the first tick at or after ``not_before``; returns
-        that tick's time. ``key`` names the member for :meth:`leave`."""
+    def join(self, key: object, not_before: float, play: Callable[[int], None]) -> float:
+        """``play(backlog)`` once a frame from the first tick at or after ``not_before``;
+        returns that tick's time. ``backlog``: the plays of this member that follow at once
+        (catching up after the loop stood still), so that what they will play is not taken
+        for a sender running ahead. ``key`` names the member for :meth:`leave`."""
         self.leave(key)
         if not self._where and self._timer is None:  # idle: the first member sets the phases
             self._origin, self._next = not_before, 0
@@ -74,14 +76,15 @@ class PlayClock:
 
     def _tick(self) -> None:
         self._timer = None
-        now, ran, step = self._loop.time(), 0, self._step
-        while self._origin + self._next * step <= now and ran < MAX_CATCH_UP * self._slots:
+        now, slots = self._loop.time(), self._slots
+        due = math.floor((now - self._origin) / self._step + 1e-9)  # the last tick due by now
+        last = min(due, self._next + MAX_CATCH_UP * slots - 1)
+        while self._next <= last:
             tick = self._next
             self._next += 1
-            ran += 1
-            for start, play in list(self._members[tick % self._slots].values()):
+            for start, play in list(self._members[tick % slots].values()):
                 if start <= tick:
-                    play()
-        if self._origin + self._next * step <= now:  # the loop stood still for long
-            self._next = math.ceil((now - self._origin) / step)
+                    play((last - tick) // slots)
+        if due >= self._next:  # the loop stood still for long
+            self._next = math.ceil((now - self._origin) / self._step)
         self._arm()

@@ -19,8 +19,11 @@ What it does with what the network does:
 - **duplicate**: dropped, counted.
 - **lost**: concealed (``concealed``) or recovered from FEC (``recovered``), 20 ms each.
 - **too far ahead** (a sender whose clock runs fast, or a burst after a stall): past
-  ``depth + slack`` packets queued, the oldest are dropped (``overflow``), so latency
-  stays bounded; a jump of more than ``capacity`` packets starts over at the new packet.
+  ``depth + slack`` packets queued beyond those the clock is about to play, the oldest
+  are dropped (``overflow``), so latency stays bounded; a jump of more than ``capacity``
+  packets starts over at the new packet. The stream either passes over unplayed, in 20 ms
+  pieces, is counted too (``skipped``): with it every piece from the first packet on is
+  accounted for (played, recovered, concealed or skipped).
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ class JitterCounts:
     recovered: int = 0  # 20 ms pieces rebuilt from the next packet's FEC
     overflow: int = 0
     resyncs: int = 0
+    skipped: int = 0  # 20 ms pieces of the stream passed over unplayed (a trim's or a jump's)
 
     def as_dict(self) -> dict[str, int]:
         return {
             "packets": self.packets, "late": self.late, "duplicate": self.duplicate,
             "concealed": self.concealed, "recovered": self.recovered,
-            "overflow": self.overflow, "resyncs": self.resyncs,
+            "overflow": self.overflow, "resyncs": self.resyncs, "skipped": self.skipped,
         }  # fmt: skip
 
 
@@ -108,7 +112,9 @@ class JitterBuffer:
             counts.resyncs += 1
         elif offset > self.capacity * PACKET_TS:
             packets.clear()  # a jump: start over at this packet
-            self._next, offset = timestamp, 0
+            self._next = timestamp
+            counts.skipped += offset // PACKET_TS
+            offset = 0
             counts.resyncs += 1
         if timestamp in packets:
             counts.duplicate += 1
@@ -116,8 +122,10 @@ class JitterBuffer:
         counts.packets += 1
         packets[timestamp] = payload
 
-    def pull(self, span: int = FRAME_TS) -> list[Play]:
-        """What to play for the next ``span`` RTP units of the stream (one model frame)."""
+    def pull(self, span: int = FRAME_TS, backlog: int = 0) -> list[Play]:
+        """What to play for the next ``span`` RTP units of the stream (one model frame).
+        ``backlog``: the pulls of ``span`` that follow at once (a clock catching up after
+        its loop stood still): the packets they play are due, not a sender running ahead."""
         if self._next is None:
             return []
         self._playing = True
@@ -142,7 +150,7 @@ class JitterBuffer:
             self._next = (ts + length) & 0xFFFFFFFF
             need -= length
         self._ahead = -need
-        self._trim()
+        self._trim(backlog * span // PACKET_TS)
         return plays
 
     def _length(self, payload: bytes) -> int:
@@ -150,17 +158,19 @@ class JitterBuffer:
         length = duration(payload) if duration is not None else 0
         return length or PACKET_TS
 
-    def _trim(self) -> None:
+    def _trim(self, due: int) -> None:
         """Drop what playback passed (a packet that came late into a gap) and, past
-        ``depth + slack`` packets queued, the oldest: a sender running ahead."""
+        ``depth + slack`` packets queued beyond the ``due`` ones, the oldest: a sender
+        running ahead."""
         packets, nxt = self._packets, self._next
         assert nxt is not None
         for ts in [ts for ts in packets if _diff(ts, nxt) < 0]:
             del packets[ts]
             self.counts.late += 1
-        excess = len(packets) - (self.depth + self.slack)
+        excess = len(packets) - (self.depth + self.slack + due)
         if excess > 0:
             for ts in sorted(packets, key=lambda t: _diff(t, nxt))[:excess]:
                 del packets[ts]
             self.counts.overflow += excess
             self._next = min(packets, key=lambda t: _diff(t, nxt))
+            self.counts.skipped += _diff(self._next, nxt) // PACKET_TS
