@@ -21,9 +21,9 @@ What it does with what the network does:
 - **too far ahead** (a sender whose clock runs fast, or a burst after a stall): past
   ``depth + slack`` packets queued beyond those the clock is about to play, the oldest
   are dropped (``overflow``), so latency stays bounded; a jump of more than ``capacity``
-  packets starts over at the new packet. The stream either passes over unplayed, in 20 ms
-  pieces, is counted too (``skipped``): with it every piece from the first packet on is
-  accounted for (played, recovered, concealed or skipped).
+  packets starts over at the new packet. What a trim or a jump passes over unplayed is
+  counted too, in 20 ms pieces (``skipped``): so every piece of the stream from the first
+  packet on is accounted for (decoded, recovered, concealed or skipped).
 """
 
 from __future__ import annotations
