@@ -21,8 +21,7 @@ ring): 6.8 ms against SDPA's 10.1 and a 1.9 ms floor of their KV bytes, and the 
 broadcast takes 255 registers a thread at 64 slots and 4 warps (ptxas for sm_90a), so two
 programs fit an SM; ``tile=(..., True)`` computes one query at a time (``[N, D]`` products:
 158 registers at 64/4, 80 at 32/4, 56 at 16/4), a form not yet timed on the H200 and so not
-the default. ``reference`` is
-the same computation in plain torch, for the tests.
+the default. ``reference`` is the same computation in plain torch, for the tests.
 """
 
 from __future__ import annotations
