@@ -14,12 +14,11 @@ from tests.triton_interpreter import run_interpreted
 CHECKS = textwrap.dedent(
     """
     import torch
-    import triton
     from moshi.models import LMGen, loaders
     from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
     from duplexserve.engine_bridge.moshi.live_mimi import install_ring_attention
     from duplexserve.engine_bridge.moshi.presets import TINY_LM, TINY_MIMI, TINY_ZERO_LM
-    from duplexserve.engine_bridge.moshi.ring_attention import reference, ring_attention
+    from duplexserve.engine_bridge.moshi.ring_attention import default_tile, reference, ring_attention
 
     torch.manual_seed(0)
     # The kernel alone: Mimi's shape (250 slots, 2 queries), the depformer's (8, 1, bf16), odd
@@ -35,8 +34,8 @@ CHECKS = textwrap.dedent(
         for ends, want in [(before, ref), (torch.tensor([c + 3]), None)]:
             if want is None:  # one end for every row (the depformer's ring)
                 want = reference(q.float(), ring[0].float(), ring[1].float(), ends.expand(b) + t)
-            block = min(64, triton.next_power_of_2(c))
-            for tile in (None, (block, 2, True)):  # the kernel's choice; one query at a time
+            block, _, rows = default_tile(c)
+            for tile in (None, (block, 2, not rows)):  # the kernel's choice; the other form
                 got = ring_attention(q, ring[0], ring[1], ends, tile).float()
                 err = (got - want).abs().max().item()
                 assert err < (1e-6 if dtype == torch.float32 else 2e-2), (c, t, dtype, group, tile, err)

@@ -37,7 +37,7 @@ from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.families import get_family
-from duplexserve.engine_bridge.moshi.memory import MemoryPlan, kv_bytes_per_slot
+from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, MemoryPlan, kv_bytes_per_slot
 from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
 from duplexserve.engine_bridge.moshi.prompts import (
     Prompt,
@@ -280,6 +280,7 @@ class MoshiEngine(Engine):
         self._out_np = self._out_host.numpy()
         self._text_host = torch.zeros(b, dtype=torch.long, pin_memory=pin)
         self._text_np = self._text_host.numpy()
+        plan = None
         if self.device.type == "cuda":
             plan = self._memory_plan(b)
             log.info("moshi engine memory: %s", plan.describe())
@@ -315,6 +316,14 @@ class MoshiEngine(Engine):
         }
         self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
         self._warm_up(self._rows.sizes if graphed else [b])
+        if plan is not None:  # what the plan's allowance beyond the ring is measured against
+            used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
+            self.memory_in_use = (used, b * plan.kv_per_slot)  # the device's, and the rings'
+            self.memory_beyond_ring = (used - b * plan.kv_per_slot) / b
+            log.info(
+                "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f)",
+                used / 2**30, self.memory_beyond_ring / 2**20, OTHER_PER_SLOT / 2**20,
+            )  # fmt: skip
 
     def _prefix_moves(self, views: Any) -> None:
         """A row moved down (row_buckets.py) copies of the LM's KV rings only the slots it has

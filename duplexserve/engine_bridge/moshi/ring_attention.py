@@ -15,13 +15,16 @@ the H200, the depformer's 96 another 5.8 ms (docs/benchmarks.md).
 row's held slots once, works out each slot's position from the ring's end, and keeps a
 running softmax per query, for every query head of the KV head's group (grouped KV
 heads: the depformer of Hibiki-Zero). The grid is fixed by the batch, so it replays inside a CUDA
-graph. Measured on the H200 (``bench moshi-step ring``, Mimi's 16 calls at 512 rows, full
-ring): 6.8 ms against SDPA's 10.1 and a 1.9 ms floor of their KV bytes, and the products as
-``tl.dot``'s in float32 were no faster at any tile (6.8-11.3 ms). Its ``[T, N, D]``
-broadcast takes 255 registers a thread at 64 slots and 4 warps (ptxas for sm_90a), so two
-programs fit an SM; ``tile=(..., True)`` computes one query at a time (``[N, D]`` products:
-158 registers at 64/4, 80 at 32/4, 56 at 16/4), a form not yet timed on the H200 and so not
-the default. ``reference`` is the same computation in plain torch, for the tests.
+graph. Measured on the H200 (``bench moshi-step ring``, Mimi's 16 calls in a CUDA graph at 512 rows, full
+ring of 250, data docs/data/released/h200-ring-attention-mimi*.json): SDPA 10.1 ms, the
+products as ``[T, N, D]`` broadcasts 5.7-6.8 ms by tile, one query at a time (``[N, D]``
+products) 2.1 ms at 32 slots and 2 warps, against a 1.9 ms floor of the ring's bytes. The
+broadcast takes 255 registers a thread at 64 slots and 4 warps (ptxas, sm_90a), two programs
+an SM, so it had little of the ring in flight; one query at a time takes 80 at 32/4. So a
+ring of 32 slots or more (Mimi's) is read one query at a time, 32 slots and 2 warps; a
+shorter one (the depformer's 8) keeps the broadcast, a tile as long as the ring, where the
+product is small. ``tl.dot``'s in float32 were no faster than the broadcast at any tile.
+``reference`` is the same computation in plain torch, for the tests.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .live_attention import triton
 if triton is not None:
     import triton.language as tl
 
-BLOCK_N = 64  # most slots a program reads per iteration (Mimi's ring: four iterations)
+ROWS_BLOCK_N = 32  # slots an iteration reads, one query at a time (Mimi's ring: eight iterations)
 MAX_QUERIES = 4  # queries of a program (positions x heads of a group); Mimi's 2, Hibiki-Zero's depformer's 2
 
 
@@ -58,6 +61,14 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: t
     return torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out))
 
 
+def default_tile(capacity: int) -> tuple[int, int, bool]:
+    """(slots an iteration, warps, one query at a time) for a ring (module docstring): a
+    tile no longer than a short ring, whose 8 slots do not pay for 32."""
+    if capacity >= ROWS_BLOCK_N:
+        return ROWS_BLOCK_N, 2, True
+    return triton.next_power_of_2(capacity), 1, False
+
+
 def ring_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -73,8 +84,8 @@ def ring_attention(
     ``ends`` holds, per row, the positions written before this step (moshi's
     ``end_offset``): ``[B]``, or ``[1]`` for a ring shared by every row (the depformer's).
     Returns a contiguous ``[B, H, T, D]`` in ``q``'s dtype. A row with no position held
-    gets zeros. ``tile`` (slots per iteration, warps, one query at a time) overrides the
-    choice by ring length, for ``bench moshi-step ring``.
+    gets zeros. ``tile`` (slots per iteration, warps, one query at a time) overrides
+    ``default_tile``, for ``bench moshi-step ring``.
     """
     b, h, t, d = q.shape
     kv_heads, capacity = keys.shape[1:3]
@@ -82,14 +93,7 @@ def ring_attention(
     assert group * kv_heads == h and group * t <= MAX_QUERIES and d == triton.next_power_of_2(d)
     assert keys.stride(-1) == 1 and values.stride(-1) == 1
     out = torch.empty((b, h, t, d), device=q.device, dtype=q.dtype)
-    rows = False
-    if tile is not None:
-        block_n, warps, rows = tile
-    else:
-        # A tile no longer than the ring: the depformer's 8 slots do not pay for 64 (measured
-        # on the H200 with 64 for both rings: 169 us a call for Mimi's 250 slots and for 8).
-        block_n = min(BLOCK_N, triton.next_power_of_2(capacity))
-        warps = 4 if block_n * d >= 4096 else 1
+    block_n, warps, rows = tile or default_tile(capacity)
     _ring_attention[(b * kv_heads,)](
         q, keys, values, ends, out,
         *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], ends.stride(0) if ends.numel() > 1 else 0,

@@ -1,0 +1,3 @@
+from duplexserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Every benchmark of docs/benchmarks.md, one ``duplexserve bench`` subcommand each, built on loadgen."""

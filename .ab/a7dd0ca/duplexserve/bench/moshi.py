@@ -1,0 +1,557 @@
+"""Benchmarks of the moshi engine (docs/benchmarks.md, "moshi engine on one H200").
+
+    steps  GPU step time against batch size, engine alone (no server): one step =
+           Mimi encode + LMGen step + Mimi decode over every slot, CUDA graphs on; also
+           the engine thread's CPU per step, and how late a thread that only sleeps 1 ms
+           at a time wakes up meanwhile: the wait an event loop in the same process
+           would have for the GIL.
+    rtf    paced RTF run through the real server: start it (engine thread or engine
+           process), open N sessions that each stream S seconds of audio in 160 ms
+           messages on an absolute wall-clock schedule, and report per-session RTF,
+           frame round trip, frame lateness, server CPU per frame and the step times.
+
+``duplexserve bench moshi-steps`` and ``duplexserve bench moshi-rtf``
+(scripts/bench-moshi-h200.sh runs them on the H200).
+
+This compact paced client stands in for ``duplexserve loadgen`` (built beside it) so
+that the H200 run depends on nothing but the server; its metrics follow BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+FRAME_S = 0.08
+FRAME = 1920
+
+
+# --------------------------------------------------------------------------- steps
+class GilProbe(threading.Thread):
+    """Sleeps 1 ms at a time and records how late it wakes: time spent waiting for the GIL."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.late: list[float] = []
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            t = time.perf_counter()
+            time.sleep(0.001)
+            self.late.append(time.perf_counter() - t - 0.001)
+
+    def take(self) -> list[float]:
+        late, self.late = self.late, []
+        return late
+
+
+def pct(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
+
+
+def _open_live(engine, built: int, live: int) -> np.ndarray:
+    """Open every slot, then close all but ``live`` of them, spread over the slots: what
+    is left once sessions have ended, the live ones in rows the engine moves down."""
+    for slot in range(built):
+        engine.open(slot, {})
+    keep = np.unique(np.linspace(0, built - 1, live).round().astype(int))
+    for slot in np.setdiff1d(np.arange(built), keep).tolist():
+        engine.close(slot)
+    return keep
+
+
+def cmd_steps(args: argparse.Namespace) -> None:
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    lives = [int(n) for n in args.live.split(",")] if args.live else []
+    engine = MoshiEngine(
+        batches[0], args.preset, device=args.device, context=args.context, kv_dtype=args.kv_dtype
+    )
+    t = time.perf_counter()
+    engine.start()
+    print(f"built {args.preset} in {time.perf_counter() - t:.1f} s", flush=True)
+    probe = GilProbe()
+    probe.start()
+    time.sleep(0.5)
+    idle = probe.take()
+    rows = []
+    cuda = engine.device.type == "cuda"
+    for b in batches:
+        if b != engine.num_slots:
+            engine.resize(b)
+        reserved = engine._torch.cuda.memory_reserved() / 2**30 if cuda else 0.0  # every bucket's graphs
+        for live in [n for n in lives if n <= b] or [b]:
+            slots = _open_live(engine, b, live)
+            frames = (np.random.default_rng(0).standard_normal((len(slots), FRAME)) * 0.05).astype(np.float32)
+            for _ in range(5):
+                engine.step(slots, frames)
+            probe.take()
+            wall, cpu = [], []
+            for _ in range(args.steps):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                engine.step(slots, frames)
+                wall.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+            late = probe.take()
+            for slot in slots.tolist():
+                engine.close(slot)
+            row = {
+                "batch": b,
+                "live": len(slots),
+                "step_ms_p50": 1000 * pct(wall, 50),
+                "step_ms_p90": 1000 * pct(wall, 90),
+                "engine_thread_cpu_ms_per_step": 1000 * statistics.mean(cpu),
+                "host_cpu_us_per_frame": 1e6 * statistics.mean(cpu) / len(slots),
+                "gil_wait_ms_p50": 1000 * pct(late, 50),
+                "gil_wait_ms_p99": 1000 * pct(late, 99),
+                "gil_wait_ms_max": 1000 * max(late),
+                "gpu_max_allocated_gib": engine._torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                "gpu_reserved_after_start_gib": reserved,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    probe.running = False
+    exact = {r["batch"]: r["step_ms_p50"] for r in rows if r["batch"] == r["live"]}
+    for r in rows:  # against an engine built for exactly the live count, where measured
+        r["vs_built_for_live"] = r["step_ms_p50"] / exact[r["live"]] if r["live"] in exact else None
+    result = {
+        "preset": args.preset,
+        "context": args.context,
+        "kv_dtype": args.kv_dtype,
+        "idle_gil_wait_ms_p99": 1000 * pct(idle, 99),
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{'built':>5} {'live':>5} {'step p50':>9} {'p90':>7} {'vs built':>8} {'cpu/step':>9} "
+          f"{'cpu/frame':>10}  GIL wait p50/p99/max")  # fmt: skip
+    for r in rows:
+        ratio = f"{r['vs_built_for_live']:.2f}x" if r["vs_built_for_live"] else "-"
+        print(
+            f"{r['batch']:>5} {r['live']:>5} {r['step_ms_p50']:>7.1f}ms {r['step_ms_p90']:>5.1f}ms "
+            f"{ratio:>8} {r['engine_thread_cpu_ms_per_step']:>7.1f}ms {r['host_cpu_us_per_frame']:>8.0f}us "
+            f"{r['gil_wait_ms_p50']:>6.2f}/{r['gil_wait_ms_p99']:.2f}/{r['gil_wait_ms_max']:.1f} ms"
+        )
+
+
+# ----------------------------------------------------------------------------- rtf
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(process itself, its descendants) user + system CPU seconds, read from /proc."""
+    from duplexserve.codecs.procpool import stat_cpu_seconds
+
+    def own(p: int) -> float:
+        try:
+            return stat_cpu_seconds(f"/proc/{p}/stat")
+        except OSError:
+            return 0.0
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    rest, stack = 0.0, list(children.get(pid, []))
+    while stack:
+        p = stack.pop()
+        rest += own(p)
+        stack.extend(children.get(p, []))
+    return own(pid), rest
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def one_session(
+    url: str, audio: np.ndarray, start_at: float, message_frames: int, result: dict
+) -> None:
+    import websockets.asyncio.client
+
+    n = len(audio) // FRAME
+    sent = np.zeros(n)
+    send_late = np.zeros((n + message_frames - 1) // message_frames)  # past its schedule
+    received: list[float] = []
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, start_at - loop.time()))
+    async with websockets.asyncio.client.connect(url, max_size=None, compression=None) as ws:
+        json.loads(await ws.recv())
+
+        async def sender() -> None:
+            t0 = loop.time()
+            for k, i in enumerate(range(0, n, message_frames)):
+                scheduled = t0 + k * message_frames * FRAME_S
+                if scheduled > loop.time():
+                    await asyncio.sleep(scheduled - loop.time())
+                send_late[k] = loop.time() - scheduled
+                now = time.perf_counter()
+                await ws.send(audio[i * FRAME : (i + message_frames) * FRAME].tobytes())
+                sent[i : i + message_frames] = now
+            await ws.send(json.dumps({"type": "input.end"}))
+
+        task = asyncio.create_task(sender())
+        async for message in ws:
+            if isinstance(message, bytes):
+                received.append(time.perf_counter())
+            else:
+                event = json.loads(message)
+                if event["type"] == "error":
+                    result["error"] = event
+                elif event["type"] == "session.closed":
+                    result["closed"] = event
+        await task
+    recv = np.array(received[:n])  # the answers to the input; after them, input.end's tail
+    result["send_late"] = send_late
+    result["frames_in"] = n
+    result["frames_out"] = len(recv)
+    result["frames_tail"] = len(received) - len(recv)
+    if len(recv):
+        m = min(n, len(recv))
+        result["rtt"] = recv[:m] - sent[:m]
+        result["rtf"] = (recv[-1] - sent[0]) / (len(recv) * FRAME_S)
+        deadline = recv[0] + FRAME_S * (np.arange(len(recv)) + 1)  # playback buffer of one frame
+        result["lateness"] = recv - deadline
+        result["late_at"] = recv[result["lateness"] > 0]  # when, on the run's clock
+
+
+class Timeline(threading.Thread):
+    """Scrapes the server's /metrics every ``period_s``: what changed in each interval
+    (steps, catch-ups, the mean step, late ticks) shows *when* in the run a tail began."""
+
+    def __init__(self, port: int, period_s: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.port, self.period_s = port, period_s
+        self.samples: list[dict[str, float]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            with contextlib.suppress(OSError):
+                self.samples.append(scrape(self.port))
+
+    def intervals(self) -> list[dict[str, float]]:
+        rows = []
+        for a, b in zip(self.samples, self.samples[1:], strict=False):
+            d = functools.partial(_difference, a, b)
+            steps = d("duplexserve_engine_step_seconds_count")
+            step_s = d("duplexserve_engine_step_seconds_sum")
+            rows.append({
+                "steps": steps,
+                "catch_up_steps": d("duplexserve_engine_catchup_steps_total"),
+                "step_ms_mean": round(1000 * step_s / steps, 1) if steps else 0,
+                "tick_lag_over_20ms": _over(d, "duplexserve_engine_tick_lag_seconds", (20,))["20"],
+                "dispatch_over_10ms": _over(d, "duplexserve_answer_dispatch_seconds", (10,))["10"],
+            })  # fmt: skip
+        return rows
+
+
+def _difference(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _over(delta: Callable[[str], float], name: str, limits_ms: tuple[int, ...]) -> dict[str, float]:
+    """How many observations of histogram ``name`` went over each limit during the run."""
+    return {str(ms): delta(f"{name}_count") - delta(f'{name}_bucket{{le="{ms / 1000}"}}') for ms in limits_ms}
+
+
+def _late_by_time(results: list[dict], bucket_s: float) -> list[int]:
+    """Late frames counted by when in its session each was (frame index x 80 ms)."""
+    counts: list[int] = []
+    for r in results:
+        for index in np.flatnonzero(r["lateness"] > 0).tolist():
+            b = int(index * FRAME_S // bucket_s)
+            counts.extend([0] * (b + 1 - len(counts)))
+            counts[b] += 1
+    return counts
+
+
+def _late_by_run_time(results: list[dict], start: float) -> list[int]:
+    """Late frames by the second of the run they arrived in: a stall of the server, the
+    engine or the client shows as a spike at one moment across sessions."""
+    at = np.concatenate([r["late_at"] for r in results]) - start if results else np.zeros(0)
+    return np.bincount(at.astype(int)).tolist() if len(at) else []
+
+
+def _late_from_end(results: list[dict], last: int) -> list[int]:
+    """Late frames among each session's last ``last`` frames, the final frame first, then
+    all the earlier ones: a tail made at the end of a session shows here."""
+    counts = [0] * (last + 1)
+    for r in results:
+        late = r["lateness"] > 0
+        for k in range(last):
+            counts[k] += int(len(late) > k and late[-1 - k])
+        counts[last] += int(late[: max(0, len(late) - last)].sum())
+    return counts
+
+
+def _late_by_start(results: list[dict], parts: int) -> list[int]:
+    """Late frames by when the session opened (its place in the ramp, in ``parts`` groups):
+    the last sessions to open stream on while the first ones close."""
+    counts = [0] * parts
+    for i, r in enumerate(results):
+        counts[i * parts // len(results)] += int((r["lateness"] > 0).sum())
+    return counts
+
+
+def _rtt_by_time(results: list[dict], bucket_s: float) -> list[float]:
+    """Mean frame round trip (ms) by when in its session each frame was: a step that grows
+    with the context shows here, and so does any drift against the first frame."""
+    if not results:
+        return []
+    n = max(len(r["rtt"]) for r in results)
+    per = round(bucket_s / FRAME_S)
+    rtt = np.full((len(results), n), np.nan)
+    for i, r in enumerate(results):
+        rtt[i, : len(r["rtt"])] = r["rtt"]
+    return [round(1000 * float(np.nanmean(rtt[:, b : b + per])), 1) for b in range(0, n, per)]
+
+
+async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, ramp_s: float) -> list[dict]:
+    audio = (np.random.default_rng(1).standard_normal(int(seconds / FRAME_S) * FRAME) * 0.05).astype(
+        np.float32
+    )
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.5
+    results: list[dict] = [{} for _ in range(sessions)]
+    tasks = [
+        one_session(url, audio, t0 + ramp_s * i / sessions, message_ms // 80, results[i])
+        for i in range(sessions)
+    ]
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    for r, d in zip(results, done, strict=True):
+        if isinstance(d, BaseException):
+            r["error"] = repr(d)
+    return results
+
+
+def cmd_rtf(args: argparse.Namespace) -> None:
+    port = args.port
+    server_cmd = [
+        sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
+        "--max-sessions", str(args.sessions), "--log-level", "info",
+        "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
+        "--engine-tick-ms", str(args.tick_ms),
+    ]  # fmt: skip
+    if args.synthetic_step_ms:  # the scheduling alone, no GPU: a full-batch step of fixed cost
+        server_cmd += ["--engine", "synthetic", "--step-base-ms", str(args.synthetic_step_ms)]
+    else:
+        server_cmd += [
+            "--engine", "moshi", "--moshi-preset", args.preset,
+            *(["--moshi-context", str(args.context)] if args.context else []),
+            "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
+            "--moshi-depformer", args.depformer, "--moshi-mimi-attention", args.mimi_attention,
+            "--moshi-fp32-matmul", args.fp32_matmul, "--moshi-mimi-graph", args.mimi_graph,
+        ]  # fmt: skip
+    t = time.perf_counter()
+    with open(args.server_log or os.devnull, "w") as log:
+        proc = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited with {proc.returncode}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        startup = time.perf_counter() - t
+        before = scrape(port)
+        cpu0, cpu0_children = cpu_seconds(proc.pid)
+        c0 = time.process_time()
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        timeline = Timeline(port)
+        timeline.samples.append(before)
+        timeline.start()
+        wall0 = time.perf_counter()
+        results = runner(
+            run_clients(f"ws://127.0.0.1:{port}/v1/duplex", args.sessions, args.seconds, args.message_ms, 2.0)
+        )
+        wall = time.perf_counter() - wall0
+        timeline.stopped.set()
+        client_cpu = time.process_time() - c0
+        cpu1, cpu1_children = cpu_seconds(proc.pid)
+        after = scrape(port)
+        gpu_mem = ""
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            gpu_mem = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip()  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    ok = [r for r in results if "rtf" in r]
+    frames = sum(r.get("frames_out", 0) for r in results)
+    rtfs = sorted(r["rtf"] for r in ok)
+    rtt = np.concatenate([r["rtt"] for r in ok]) if ok else np.zeros(1)
+    late = np.concatenate([r["lateness"] for r in ok]) if ok else np.zeros(1)
+    send_late = np.concatenate([r["send_late"] for r in ok]) if ok else np.zeros(1)
+    steps = delta("duplexserve_engine_step_seconds_count")
+    summary = {
+        "preset": f"synthetic-{args.synthetic_step_ms:g}ms" if args.synthetic_step_ms else args.preset,
+        "sessions": args.sessions,
+        "engine": "process" if args.engine_process else "thread",
+        "context": args.context or "preset",
+        "attention": args.attention,
+        "kv_dtype": args.kv_dtype,
+        "depformer": args.depformer,
+        "mimi_attention": args.mimi_attention,
+        "fp32_matmul": args.fp32_matmul,
+        "mimi_graph": args.mimi_graph,
+        "tick_ms": args.tick_ms,
+        "seconds": args.seconds,
+        "message_ms": args.message_ms,
+        "startup_s": startup,
+        "wall_s": wall,
+        "complete_sessions": sum(
+            1 for r in results if r.get("frames_out") == r.get("frames_in") and "error" not in r
+        ),
+        "errors": [r["error"] for r in results if "error" in r][:5],
+        "rtf_min": rtfs[0] if rtfs else None,
+        "rtf_median": statistics.median(rtfs) if rtfs else None,
+        "rtf_max": rtfs[-1] if rtfs else None,
+        "sessions_rtf_over_1": sum(1 for x in rtfs if x > 1.0),
+        "rtt_ms_p50": 1000 * pct(rtt, 50),
+        "rtt_ms_p99": 1000 * pct(rtt, 99),
+        "rtt_ms_max": 1000 * float(rtt.max()),
+        "lateness_ms_p99": 1000 * pct(late, 99),
+        "underruns": int((late > 0).sum()),
+        "frames": frames,
+        "step_ms_mean": 1000 * delta("duplexserve_engine_step_seconds_sum") / steps if steps else None,
+        "batch_mean": delta("duplexserve_engine_batch_size_sum") / steps if steps else None,
+        "steps": steps,
+        "server_cpu_us_per_frame": 1e6 * (cpu1 - cpu0) / max(frames, 1),
+        "engine_process_cpu_us_per_frame": 1e6 * (cpu1_children - cpu0_children) / max(frames, 1),
+        "server_cpu_cores": (cpu1 - cpu0) / wall,
+        "client_cpu_cores": client_cpu / wall,
+        "gpu_memory_used": gpu_mem,
+        # where the tail comes from: steps that ran long, and when the late frames were
+        "steps_over_ms": _over(delta, "duplexserve_engine_step_seconds", (80, 100, 200)),
+        "gc_pauses_over_ms": {  # the server process's collector, all generations
+            str(ms): sum(
+                delta(f'duplexserve_gc_pause_seconds_count{{generation="{g}"}}')
+                - delta(f'duplexserve_gc_pause_seconds_bucket{{generation="{g}",le="{ms / 1000}"}}')
+                for g in range(3)
+            )
+            for ms in (20, 50)
+        },
+        # the server's own view (message received -> frame handed to the socket): late there
+        # too, or only at the client?
+        "server_turnaround_over_ms": _over(delta, "duplexserve_frame_turnaround_seconds", (150, 200, 300)),
+        "server_turnaround_max_ms": max(
+            (r["closed"].get("turnaround_ms", {}).get("max", 0.0) for r in ok if "closed" in r), default=None
+        ),
+        # where else a frame can wait: results for the loop to take them, the loop sending
+        "loop_pickup_over_ms": _over(delta, "duplexserve_loop_pickup_seconds", (10, 20, 40)),
+        "answer_dispatch_over_ms": _over(delta, "duplexserve_answer_dispatch_seconds", (10, 20, 40)),
+        # on the clock: steps for frames that missed their tick, and ticks that started late
+        "catch_up_steps": delta("duplexserve_engine_catchup_steps_total"),
+        "catch_up_arrival_over_ms": _over(
+            delta, "duplexserve_engine_catchup_arrival_seconds", (5, 10, 20, 40)
+        ),
+        "catch_up_frames": delta("duplexserve_engine_catchup_frames_total"),
+        "tick_lag_over_ms": _over(delta, "duplexserve_engine_tick_lag_seconds", (5, 10, 20, 40)),
+        "by_10s_of_run": timeline.intervals(),
+        # the client's own jitter: messages sent past their schedule
+        "client_send_late_ms_p99": 1000 * pct(send_late, 99),
+        "client_send_late_ms_max": 1000 * float(send_late.max()),
+        "client_sends_late_over_10ms": int((send_late > 0.010).sum()),
+        "late_frames_by_10s": _late_by_time(ok, 10.0),
+        "late_frames_by_run_s": _late_by_run_time(ok, wall0),
+        # late because the client itself sent the message late, not the server
+        "late_frames_sent_late_over_10ms": sum(
+            int((r["send_late"][np.flatnonzero(r["lateness"] > 0) // (args.message_ms // 80)] > 0.010).sum())
+            for r in ok
+        ),
+        "rtt_ms_mean_by_10s": _rtt_by_time(ok, 10.0),
+        "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
+        "late_frames_from_end": _late_from_end(ok, 8),
+        "late_frames_by_start_order": _late_by_start(ok, 8),
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary), flush=True)
+
+
+def add_steps_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--preset", default="hibiki-2b-class")
+    s.add_argument("--batches", default="1,32,64,96,128,192", help="slot counts the engine is built for")
+    s.add_argument(
+        "--live",
+        default="",
+        help="sessions live in each built engine, a comma list (default: all its slots); the "
+        "others opened and closed first, so that the live ones are moved down",
+    )
+    s.add_argument("--steps", type=int, default=50)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--context", type=int, default=0)
+    s.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
+    s.add_argument("--out", default="")
+
+
+def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--preset", default="hibiki-2b-class")
+    r.add_argument("--sessions", type=int, default=64)
+    r.add_argument("--seconds", type=float, default=60.0)
+    r.add_argument("--message-ms", type=int, default=160)
+    r.add_argument("--engine-process", action="store_true")
+    r.add_argument("--context", type=int, default=0)
+    r.add_argument("--attention", default="live", choices=("live", "stock"))
+    r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
+    r.add_argument("--depformer", default="lean", choices=("stock", "lean"))
+    r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
+    r.add_argument("--fp32-matmul", default="float32", choices=("float32", "tf32"))
+    r.add_argument("--mimi-graph", default="whole", choices=("parts", "whole"))
+    r.add_argument(
+        "--tick-ms",
+        type=float,
+        default=0.0,
+        help="the server's --engine-tick-ms (0, its default: step at once; 80: a clock of one frame)",
+    )
+    r.add_argument(
+        "--synthetic-step-ms",
+        type=float,
+        default=0.0,
+        help="serve the synthetic engine stepping this long whatever the batch (no GPU)",
+    )
+    r.add_argument("--port", type=int, default=18990)
+    r.add_argument("--server-log", default="")
+    r.add_argument("--out", default="")

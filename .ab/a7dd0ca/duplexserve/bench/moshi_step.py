@@ -1,0 +1,563 @@
+"""Where a batched moshi step goes on the GPU, before (stock attention) and after (live).
+
+    breakdown  engine alone, every slot at a given session age: Mimi encode, the LM's
+               main graph, the depformer graph, Mimi decode and the rest, timed with
+               CUDA events; the GPU's busy time from the profiler, so that the time the
+               GPU waits on Python is the step's wall time less it; the KV-read floor
+               beside each row.
+    attention  one layer's attention alone: stock (moshi's per-layer positions and mask,
+               SDPA over the whole ring) against the live-prefix kernel, by live length.
+    agreement  each session of batched variants (attention, KV dtype, depformer, Mimi) against
+               Kyutai's batch-1 loop and against the first variant, on the same weights,
+               greedy: share of identical tokens (text, audio), the frame where the
+               streams first part, the output audio's SNR (raw, and of the part that
+               differs between inputs); and, as the floor, each session of the first
+               variant against another input's.
+    mimi       Mimi alone on one set of weights, its float32 matmuls in float32 against
+               TF32 (--moshi-fp32-matmul): the share of identical codes from the same
+               input, and the SNR of the audio decoded from the same codes.
+
+Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FRAME = 1920
+HBM_BYTES_PER_S = 4.4e12  # copy bandwidth measured on the H200 (reference/moshi_step.md)
+
+
+def _ages(engine: Any, age: int) -> None:
+    """Put every slot at ``age`` frames into its session (every per-row clock moved)."""
+    lm = engine.lm_gen.lm_model
+    lm.transformer._streaming_state.offsets[:] = age
+    for layer in lm.transformer.layers:
+        state = layer.self_attn._streaming_state
+        state.offset[:] = age
+        if hasattr(state.kv_cache, "end_offset"):  # the stock ring; the 8-bit one keeps none
+            state.kv_cache.end_offset[:] = age
+    engine.lm_gen._streaming_state.offsets[:] = age
+    engine._steps[:] = age
+
+
+class _Timed:
+    """Wraps a callable so that each call is bracketed by CUDA events."""
+
+    def __init__(self, torch: Any, fn: Any) -> None:
+        self.torch, self.fn, self.spans = torch, fn, []
+
+    def __call__(self, *args: Any) -> Any:
+        start = self.torch.cuda.Event(enable_timing=True)
+        end = self.torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.fn(*args)
+        end.record()
+        self.spans.append((start, end))
+        return out
+
+    def take_ms(self) -> float:
+        total = sum(s.elapsed_time(e) for s, e in self.spans)
+        n = len(self.spans)
+        self.spans = []
+        return total / max(n, 1)
+
+
+def _kv_floor_ms(engine: Any, batch: int, live: int) -> float:
+    """Reading ``live`` slots of every row's ring once, at the HBM's copy bandwidth."""
+    from duplexserve.engine_bridge.moshi.memory import kv_bytes_per_slot
+
+    lm = engine.lm_gen.lm_model
+    attn = lm.transformer.layers[0].self_attn
+    kv_dtype = engine.kv_dtype if engine.attention == "live" else "bf16"
+    per_frame = kv_bytes_per_slot(
+        len(lm.transformer.layers),
+        attn.embed_dim,
+        attn.num_heads,
+        1,
+        kv_dtype,
+        next(lm.parameters()).element_size(),
+        attn.kv_repeat,
+    )
+    return 1000 * batch * per_frame * live / HBM_BYTES_PER_S
+
+
+def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
+    torch = engine._torch
+    slots = np.arange(batch)
+    frames = (np.random.default_rng(0).standard_normal((batch, FRAME)) * 0.05).astype(np.float32)
+    state = engine.lm_gen._streaming_state
+    parts = {
+        "mimi_encode": _Timed(torch, engine.mimi.encode),
+        "main_graph": _Timed(torch, state.graphed_main),
+        "depformer": _Timed(torch, state.graphed_depth),
+        "mimi_decode": _Timed(torch, engine.mimi.decode),
+    }
+    engine.mimi.encode, engine.mimi.decode = parts["mimi_encode"], parts["mimi_decode"]
+    state.graphed_main, state.graphed_depth = parts["main_graph"], parts["depformer"]
+    whole = _Timed(torch, engine.step)
+    try:
+        _ages(engine, age)
+        for _ in range(3):
+            whole(slots, frames)
+        for t in (*parts.values(), whole):
+            t.take_ms()
+        wall = []
+        host0 = engine.timings["host_s"]
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            whole(slots, frames)
+            wall.append(time.perf_counter() - t0)
+        row: dict[str, Any] = {name: t.take_ms() for name, t in parts.items()}
+        span = whole.take_ms()
+        row["other"] = span - sum(row.values())
+        row["host_enqueue"] = 1000 * (engine.timings["host_s"] - host0) / steps
+        row["gpu_span"] = span
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                whole(slots, frames)
+        kernels = [k for k in prof.key_averages() if k.self_device_time_total > 0]
+        busy_ms = sum(k.self_device_time_total for k in kernels) / 1000 / 5
+        row["step_wall_p50"] = 1000 * float(np.median(wall))
+        row["gpu_busy"] = busy_ms
+        row["gpu_waits_on_host"] = max(0.0, row["step_wall_p50"] - busy_ms)
+        row["top_kernels"] = [
+            (k.key[:80], round(k.self_device_time_total / 1000 / 5, 3), k.count // 5)
+            for k in sorted(kernels, key=lambda k: -k.self_device_time_total)[:12]
+        ]
+    finally:
+        engine.mimi.encode, engine.mimi.decode = parts["mimi_encode"].fn, parts["mimi_decode"].fn
+        state.graphed_main, state.graphed_depth = parts["main_graph"].fn, parts["depformer"].fn
+    live = min(age + 1, engine.lm_gen.lm_model.transformer.layers[0].self_attn.context)
+    row.update(batch=batch, age=age, kv_floor_live=_kv_floor_ms(engine, batch, live))
+    row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from duplexserve.engine_bridge.moshi import live_attention
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
+    from duplexserve.engine_bridge.moshi.live_attention import DEFAULT_INT8, KernelConfig
+
+    batches = [int(b) for b in args.batches.split(",")]
+    ages = [int(a) for a in args.ages.split(",")]
+    rows = []
+    kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [DEFAULT_INT8]
+    builds = [
+        (a, d, m, f, g, k)
+        for a in args.attention.split(",")
+        for d in args.depformer.split(",")
+        for m in args.mimi_attention.split(",")
+        for f in args.fp32_matmul.split(",")
+        for g in args.mimi_graph.split(",")
+        for k in kernels
+    ]
+    for attention, depformer, mimi_attention, fp32_matmul, mimi_graph, kernel in builds:
+        live_attention.DEFAULT_INT8 = kernel  # read when the CUDA graphs are captured
+        engine = MoshiEngine(
+            batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
+            depformer=depformer, mimi_attention=mimi_attention, fp32_matmul=fp32_matmul,
+            mimi_graph=mimi_graph,
+        )  # fmt: skip
+        engine.start()
+        for b in batches:
+            if b != engine.num_slots:
+                engine.resize(b)
+            for age in ages:
+                row = {
+                    "attention": attention,
+                    "kv_dtype": args.kv_dtype,
+                    "depformer_attention": depformer,
+                    "mimi_attention": mimi_attention,
+                    "fp32_matmul": fp32_matmul,
+                    "mimi_graph": mimi_graph,
+                    "int8_kernel": str(kernel),
+                    **breakdown(engine, b, age, args.steps),
+                }
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+        print(json.dumps(rows[-1]["top_kernels"]), flush=True)
+        engine.stop()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"{'lm/dep/mimi/mm/gr':>14} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
+          f"{'dec':>5} {'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
+    kinds = ("attention", "depformer_attention", "mimi_attention", "fp32_matmul", "mimi_graph")
+    for r in rows:
+        print(
+            f"{'/'.join(r[k][:2] for k in kinds):>14} "
+            f"{r['batch']:>4} {r['age']:>5} "
+            f"{r['step_wall_p50']:6.1f} "
+            f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
+            f"{r['other']:5.1f} {r['gpu_busy']:5.1f} {r['host_enqueue']:5.1f} {r['kv_floor_live']:7.1f}"
+        )
+    return rows
+
+
+def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One layer of the hibiki-2b-class shape (16 heads of 128, ring 3000), bf16 or int8;
+    ``--kv-repeat 2``: Hibiki-Zero's 8 KV heads, which stock moshi repeats every layer."""
+    import torch
+    import torch.nn.functional as F
+    from moshi.modules.transformer import expand_repeated_kv
+
+    from duplexserve.engine_bridge.moshi.live_attention import (
+        KernelConfig,
+        dequantize,
+        live_attention,
+        prefix_mask,
+        quantize,
+        reference_attention,
+    )
+
+    configs = [KernelConfig.parse(c) for c in (args.kernels or "256/32/2/3").split(",")]
+    int8 = args.kv_dtype == "int8"
+    heads, dim, cap, repeat = 16, 128, args.context or 3000, args.kv_repeat
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        ring = torch.randn(2, b, heads // repeat, cap, dim, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+        end = torch.full((b,), cap, device="cuda", dtype=torch.long)
+        ring8, scales = quantize(ring) if int8 else (ring, None)
+
+        def stock(
+            q: Any = q, ring: Any = ring, end: Any = end
+        ) -> Any:  # moshi's per-layer positions, mask and SDPA over the whole ring (bf16)
+            idx = torch.arange(cap, device="cuda")
+            last = end.view(-1, 1)
+            delta = idx - last % cap
+            pos = torch.where(delta <= 0, last + delta, last + delta - cap)
+            pos = torch.where(idx >= end.view(-1, 1), torch.full_like(pos, -1), pos)
+            d = end.view(-1, 1, 1) - pos[:, None]
+            bias = ((pos[:, None] >= 0) & (d >= 0) & (d < cap))[:, None]
+            keys, values = (expand_repeated_kv(x, repeat) for x in ring) if repeat > 1 else ring
+            return F.scaled_dot_product_attention(q, keys, values, bias)
+
+        for share in (1.0, 0.5, 0.25, 0.125):
+            lengths = torch.full((b,), max(1, int(cap * share)), device="cuda", dtype=torch.int32)
+            row = {"batch": b, "live_share": share, "kv_dtype": args.kv_dtype, "kv_repeat": repeat}
+            variants: list[tuple[str, Any]] = [("stock", stock)]
+            pair = None if scales is None else (scales[0], scales[1])
+            for c in configs:
+                variants.append(
+                    (f"live_{c}", partial(live_attention, q, ring8[0], ring8[1], lengths, pair, c))
+                )
+            truth = None
+            if int8:  # what every int8 kernel should give: SDPA over the dequantized live prefix
+                keys, values = dequantize(ring8, scales, torch.bfloat16)
+                truth = reference_attention(q, keys, values, prefix_mask(lengths, cap)).float()
+                del keys, values
+            for name, fn in variants:
+                try:
+                    out = fn()
+                except Exception as exc:  # a configuration that does not compile costs its row only
+                    row[f"{name}_error"] = repr(exc)[:200]
+                    continue
+                if truth is not None and name != "stock":
+                    row[f"{name}_rel_err"] = ((out.float() - truth).abs().max() / truth.abs().max()).item()
+                for _ in range(3):
+                    fn()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.steps):
+                    fn()
+                stop.record()
+                torch.cuda.synchronize()
+                row[f"{name}_ms"] = start.elapsed_time(stop) / args.steps
+            slot_bytes = dim + 2 if int8 else dim * 2  # int8: the bytes and a bf16 scale
+            row["floor_ms"] = 1000 * b * 2 * (heads // repeat) * slot_bytes * cap * share / HBM_BYTES_PER_S
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del ring, ring8, scales
+    return rows
+
+
+def _run_batched(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Sessions opening at different steps and skipping some, in one batch: audio, tokens."""
+    from duplexserve.engine_bridge.moshi.reference import lm_tokens
+
+    n, frames = len(inputs), len(inputs[0])
+    starts = [0, 0, 3, 7, 11, 20][:n]
+    audio: list[list[np.ndarray]] = [[] for _ in range(n)]
+    tokens: list[list[np.ndarray]] = [[] for _ in range(n)]
+    sent, step = [0] * n, 0
+    with lm_tokens(engine) as captured:
+        while any(s < frames for s in sent):
+            for i in range(n):
+                if step == starts[i]:
+                    engine.open(i, {})
+            rows = [i for i in range(n) if step >= starts[i] and sent[i] < frames and step % 9 != i]
+            if rows:
+                result = engine.step(np.array(rows), np.stack([inputs[i][sent[i]] for i in rows]))
+                tok = captured.pop().cpu().numpy()
+                where = engine.rows_of(np.array(rows))  # the slots' rows in LMGen's batch
+                for r, i in enumerate(rows):
+                    audio[i].append(result.audio[r].copy())
+                    tokens[i].append(tok[where[r], :, 0])
+                    sent[i] += 1
+            step += 1
+    skip = engine.delay_frames
+    return [np.stack(a) for a in audio], [np.stack(t[skip:]) for t in tokens]
+
+
+def _kyutai(engine: Any, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Kyutai's batch-1 server loop on stock modules holding the engine's weights."""
+    from duplexserve.engine_bridge.moshi.reference import server_loop, stock_models
+
+    models = stock_models(engine, engine.context)
+    runs = [server_loop(models, x, engine.cfg_coef) for x in inputs]
+    return [audio for audio, _ in runs], [tokens for _, tokens in runs]
+
+
+def _snr_db(signal: float, noise: float) -> float:
+    return float(10 * np.log10(max(signal, 1e-30) / max(noise, 1e-30)))
+
+
+def _snrs(got: list[np.ndarray], ref: list[np.ndarray]) -> tuple[list[float], list[float]]:
+    """Each session's audio SNR against its reference: raw, and of the part of the reference
+    that is not common to all its sessions (a random decoder's bias response is)."""
+    common = np.mean(ref, axis=0)
+    pairs = list(zip(got, ref, strict=True))
+    raw = [_snr_db((r**2).sum(), ((a - r) ** 2).sum()) for a, r in pairs]
+    varying = [_snr_db(((r - common) ** 2).sum(), ((a - r) ** 2).sum()) for a, r in pairs]
+    return raw, varying
+
+
+def _compare(name: str, got: tuple, ref: tuple) -> dict[str, Any]:
+    """Share of identical tokens (all, text, audio), where the streams first part, and the
+    SNR of ``got``'s audio against ``ref``'s: raw, and with the part of ``ref`` common to
+    all its sessions taken out of the signal (a random Mimi decoder's output is mostly
+    its biases' response, the same whatever the tokens, which inflates the raw figure)."""
+    same = sum(int((g == r).sum()) for g, r in zip(got[1], ref[1], strict=True))
+    total = sum(r.size for r in ref[1])
+    text = sum(int((g[:, 0] == r[:, 0]).sum()) for g, r in zip(got[1], ref[1], strict=True))
+    audio = sum(int((g[:, 1:] == r[:, 1:]).sum()) for g, r in zip(got[1], ref[1], strict=True))
+    first = [
+        int(np.flatnonzero((g != r).any(axis=1))[0]) if (g != r).any() else len(r)
+        for g, r in zip(got[1], ref[1], strict=True)
+    ]
+    snrs, varying = _snrs(got[0], ref[0])
+    text_total = sum(len(r) for r in ref[1])
+    return {"pair": name, "identical_tokens": same / total, "identical_text_tokens": text / text_total,
+            "identical_audio_tokens": audio / (total - text_total),
+            "first_different_frame": first, "first_different_frame_median": float(np.median(first)),
+            "snr_db_min": float(min(snrs)), "snr_db_median": float(np.median(snrs)),
+            "snr_varying_db_min": float(min(varying)),
+            "snr_varying_db_median": float(np.median(varying))}  # fmt: skip
+
+
+def _unrelated(result: tuple) -> tuple:
+    """The same variant's sessions shifted by one: each compared with another input's
+    answer, the floor that SNR and agreement take when the audio carries nothing of it."""
+    return result[0][1:] + result[0][:1], result[1][1:] + result[1][:1]
+
+
+def _weights(engine: Any) -> tuple[dict, dict]:
+    """A copy of the first build's weights (Mimi's, the LM's) for ``_load_weights``."""
+    def copy(module: Any) -> dict:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    return copy(engine.mimi), copy(engine.lm_gen.lm_model)
+
+
+def _load_weights(engine: Any, saved: tuple[dict, dict]) -> int:
+    """Give ``engine`` the first variant's weights (the random presets are rebuilt per
+    variant, and CUDA's k-means of the codebooks need not repeat bit for bit); the
+    number of tensors that differed."""
+    import torch
+
+    differed = 0
+    for module, state in zip((engine.mimi, engine.lm_gen.lm_model), saved, strict=True):
+        own = module.state_dict()
+        differed += sum(1 for k, v in state.items() if not torch.equal(own[k], v))
+        module.load_state_dict(state)
+    for m in engine.mimi.modules():  # the codebooks cache their centroids (not in the state dict)
+        cached = getattr(m, "_embedding", None)
+        if isinstance(cached, torch.Tensor) and hasattr(m, "embedding_sum"):
+            cached.copy_(m.embedding_sum / m.cluster_usage.clamp(min=m.epsilon)[:, None])
+    return differed
+
+
+def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Batched variants (attention/kv dtype[/depformer[/mimi attention]]) against Kyutai's batch-1 loop and
+    the first variant, all on the first variant's weights."""
+    import torch
+
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
+
+    inputs = [
+        (np.random.default_rng(i).standard_normal((args.frames, FRAME)) * 0.1).astype(np.float32)
+        for i in range(6)
+    ]
+    results: dict[str, tuple] = {}
+    differed: dict[str, int] = {}
+    saved: tuple[dict, dict] | None = None
+    engine = None
+    variants = args.variants.split(",")
+    for variant in variants:
+        attention, kv_dtype, *rest = variant.split("/")
+        engine = MoshiEngine(
+            8, args.preset, sampling=Sampling(greedy=True), attention=attention, kv_dtype=kv_dtype,
+            depformer=rest[0] if rest else "stock", mimi_attention=rest[1] if rest[1:] else "stock",
+            fp32_matmul=rest[2] if rest[2:] else "float32", mimi_graph=rest[3] if rest[3:] else "whole",
+        )  # fmt: skip
+        engine.start()
+        if saved is None:
+            saved = _weights(engine)
+        else:
+            with torch.no_grad():
+                differed[variant] = _load_weights(engine, saved)
+            print(f"{variant}: {differed[variant]} tensors differed from the first build", flush=True)
+        t = time.perf_counter()
+        results[variant] = _run_batched(engine, inputs)
+        print(f"{variant}: {time.perf_counter() - t:.1f} s", flush=True)
+        if variant != variants[-1]:
+            engine.stop()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    assert engine is not None
+    t = time.perf_counter()
+    reference = _kyutai(engine, inputs)
+    print(f"kyutai batch-1: {time.perf_counter() - t:.1f} s", flush=True)
+    engine.stop()
+    first = variants[0]
+    base = {"preset": args.preset, "frames": args.frames, "sessions": len(inputs)}
+    rows = [{**base, **_compare(f"{v} vs kyutai batch-1", r, reference)} for v, r in results.items()]
+    rows += [
+        {**base, **_compare(f"{v} vs {first}", r, results[first])} for v, r in results.items() if v != first
+    ]
+    rows.append({**base, **_compare(f"{first}: each session vs another input's", _unrelated(results[first]),
+                                    results[first])})  # fmt: skip
+    rows.append({**base, "pair": "builds", "tensors_differing_from_first_build": differed})
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every slot through the engine's streaming Mimi (its CUDA graphs, as the engine calls
+    them): the codes of ``audio`` (slots x samples), then the audio decoded from ``codes``
+    (or from its own)."""
+    import torch
+
+    mimi, device = engine.mimi, engine.device
+    encode, decode = engine._mimi_encode, engine._mimi_decode  # a whole graph's output is reused: clone
+    b, frames = audio.shape[0], audio.shape[1] // FRAME
+    every = torch.ones(b, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        engine._mask_dev.fill_(True)
+        mimi.reset_streaming(every)
+        x = torch.from_numpy(audio).to(device)[:, None, :]
+        frame_of = [x[..., t * FRAME : (t + 1) * FRAME].contiguous() for t in range(frames)]
+        got = torch.cat([encode(f).clone() for f in frame_of], dim=-1)
+        feed = got if codes is None else torch.from_numpy(codes).to(device)
+        mimi.reset_streaming(every)
+        pcm = torch.cat([decode(feed[..., t : t + 1].contiguous()).clone() for t in range(frames)], dim=-1)
+    return got.cpu().numpy(), pcm[:, 0].float().cpu().numpy()
+
+
+def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Mimi alone, builds (fp32 matmul/graph) against the first, on the first build's weights:
+    TF32 against float32, or Mimi as whole CUDA graphs against the library's graphs."""
+    import torch
+
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine
+
+    slots = 8
+    rng = np.random.default_rng(0)
+    audio = (rng.standard_normal((slots, args.frames * FRAME)) * rng.uniform(0.02, 0.3, (slots, 1))).astype(
+        np.float32
+    )
+    runs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    saved: tuple[dict, dict] | None = None
+    builds = args.mimi_builds.split(",")
+    for build in builds:
+        precision, graph = build.split("/")
+        engine = MoshiEngine(
+            slots, args.preset, attention="live", mimi_attention=args.mimi_attention, fp32_matmul=precision,
+            mimi_graph=graph,
+        )  # fmt: skip
+        engine.start()
+        if saved is None:
+            saved = _weights(engine)
+        else:
+            _load_weights(engine, saved)
+        reference = runs.get(builds[0])
+        runs[build] = _mimi_pass(engine, audio, reference[0] if reference else None)
+        engine.stop()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows = []
+    codes, pcm = runs[builds[0]]
+    for build in builds[1:]:
+        other_codes, other_pcm = runs[build]
+        snrs, varying = _snrs(list(other_pcm), list(pcm))
+        row = {
+            "preset": args.preset, "frames": args.frames, "sessions": slots,
+            "mimi_attention": args.mimi_attention, "pair": f"{build} vs {builds[0]}",
+            "identical_codes": float((codes == other_codes).mean()),
+            "identical_codes_first_codebook": float((codes[:, 0] == other_codes[:, 0]).mean()),
+            "identical_codes_by_codebook": [round(float(v), 4) for v in (codes == other_codes).mean((0, 2))],
+            "identical_audio_samples": float((pcm == other_pcm).mean()),
+            "decode_snr_db": [round(v, 1) for v in snrs],
+            "decode_snr_varying_db": [round(v, 1) for v in varying],
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="part", required=True)
+    for name in ("breakdown", "attention", "agreement", "mimi"):
+        p = sub.add_parser(name)
+        p.add_argument("--preset", default="hibiki-2b-class")
+        p.add_argument("--batches", default="1,32,64,128,192,224")
+        p.add_argument("--ages", default="375,2999", help="frames into each session (breakdown)")
+        p.add_argument("--attention", default="stock,live")
+        p.add_argument("--kv-dtype", default="bf16", help="breakdown: bf16 or int8")
+        p.add_argument(
+            "--variants", default="live/bf16,live/int8,stock/bf16",
+            help="agreement: attention/kv dtype[/depformer[/mimi attention[/fp32 matmul[/mimi graph]]]],..."
+            " (the first is the base; Kyutai's batch-1 loop runs after the last, with its fp32 matmul)",
+        )  # fmt: skip
+        p.add_argument("--depformer", default="lean", help="breakdown: lean,stock (each its own engine)")
+        p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
+        p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
+        p.add_argument("--mimi-graph", default="whole", help="breakdown: parts,whole (one engine each)")
+        p.add_argument(
+            "--mimi-builds", default="float32/whole,tf32/whole",
+            help="mimi: fp32 matmul/graph,... (each against the first)",
+        )  # fmt: skip
+        p.add_argument("--context", type=int, default=0)
+        p.add_argument("--kv-repeat", type=int, default=1, help="attention: query heads per KV head")
+        p.add_argument("--steps", type=int, default=30)
+        p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")
+        p.add_argument(
+            "--kernels", default="",
+            help="chunk/block/warps/stages[/int8],...: attention's configurations (default 256/32/2/3), "
+            "breakdown's int8 kernels, one engine each (default the engine's)",
+        )  # fmt: skip
+        p.add_argument("--out", default="")
+
+
+def run(args: argparse.Namespace) -> None:
+    parts = {
+        "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi
+    }  # fmt: skip
+    rows = parts[args.part](args)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"part": args.part, "args": vars(args), "rows": rows}, indent=1))

@@ -1,0 +1,1 @@
+"""What this machine and these options give: the serve preflight and ``duplexserve check``."""

@@ -1,0 +1,406 @@
+"""Server configuration: one dataclass, exposed as CLI flags and ``DUPLEXSERVE_*`` variables.
+
+Each field carries its help text, so ``duplexserve serve --help`` documents every
+setting and the environment names are derived, never written twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "DUPLEXSERVE_"
+#: ``--max-sessions auto``: resolved before serving to the slots that fit by the moshi
+#: engine's memory plan on the GPU (duplexserve/check/plan.py); no part below sees it.
+AUTO_SESSIONS = 0
+
+
+def _opt(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None
+) -> Any:
+    """A setting; ``parse`` reads its flag and variable when the default's type cannot."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+
+
+def int_or_auto(text: str) -> int:
+    """``--max-sessions``: a count of at least 1, or ``auto`` (:data:`AUTO_SESSIONS`, never typed)."""
+    if text.strip().lower() == "auto":
+        return AUTO_SESSIONS
+    count = int(text)
+    if count < 1:
+        raise ValueError(f"{text!r}: at least 1, or auto")
+    return count
+
+
+@dataclass
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8998, "TCP port to listen on")
+    ws: str = _opt(
+        "fast",
+        "WebSocket implementation: fast (uvicorn's sans-I/O protocol with our callback fast path,"
+        " server/ws_protocol.py) or one of uvicorn's own, over plain ASGI (docs/benchmarks.md)",
+        ("fast", "websockets-sansio", "websockets"),
+    )
+    log_level: str = _opt("info", "log level", ("critical", "error", "warning", "info", "debug"))
+    model: str = _opt("", "model name reported to clients (default: named after the engine)")
+
+    # Engine.
+    engine: str = _opt("synthetic", "engine behind the bridge", ("synthetic", "moshi", "vllm-omni"))
+    synthetic_mode: str = _opt("echo", "synthetic engine mode", ("echo", "silence"))
+    delay_frames: int = _opt(0, "synthetic engine: output frame i answers input frame i - delay")
+    text_every: int = _opt(5, "synthetic engine: emit a text.delta every N frames (0: never)")
+    step_base_ms: float = _opt(0.0, "synthetic step model: fixed wait per step, GIL released")
+    step_per_session_ms: float = _opt(0.0, "synthetic step model: extra wait per session in the batch")
+    host_ms_per_session: float = _opt(
+        0.0, "synthetic step model: Python work per session per step, holding the GIL"
+    )
+    moshi_preset: str = _opt(
+        "tiny", "moshi engine: a released architecture with random weights, when no checkpoint is named"
+    )
+    moshi_hf_repo: str = _opt(
+        "", "moshi engine: checkpoint OWNER/NAME[@REVISION] from the local Hugging Face cache (offline: a "
+        "missing file is an error, never a download)"
+    )
+    moshi_weights: str = _opt(
+        "", "moshi engine: checkpoint folder laid out like its Hugging Face repository (nothing is "
+        "downloaded)"
+    )
+    moshi_config: str = _opt(
+        "", "moshi engine: config.json replacing the checkpoint's (moshi's --config-path)"
+    )
+    moshi_lora: str = _opt("", "moshi engine: LoRA adapter (safetensors) fused into the LM at load")
+    moshi_cfg_coef: float = _opt(
+        1.0, "moshi engine: classifier-free guidance of a conditioned LM (Hibiki), the negative being "
+        "\"very_bad\" as in moshi; 1: off. Doubles each session's KV cache"
+    )
+    device: str = _opt("auto", "moshi engine: torch device (auto, cpu, cuda)")
+    moshi_tokenizer: str = _opt("", "moshi engine: SentencePiece model turning text tokens into text")
+    moshi_context: int = _opt(0, "moshi engine: LM context (KV cache) in frames; 0: the model's own")
+    moshi_dtype: str = _opt(
+        "auto", "moshi engine: LM weights dtype (auto: bfloat16 on GPU, float32 on CPU; float64: "
+        "Mimi too, for exact comparisons)",
+        ("auto", "bfloat16", "float16", "float32", "float64"),
+    )
+    moshi_greedy: bool = _opt(False, "moshi engine: greedy decoding instead of sampling (tests)")
+    moshi_temp: float | None = _opt(
+        None, "moshi engine: audio sampling temperature (unset: the checkpoint's lm_gen_config, else 0.8)",
+        parse=float,
+    )
+    moshi_temp_text: float | None = _opt(
+        None, "moshi engine: text sampling temperature (unset: the checkpoint's, else 0.7)", parse=float
+    )
+    moshi_top_k: int | None = _opt(
+        None, "moshi engine: audio top-k (unset: the checkpoint's, else 250)", parse=int
+    )
+    moshi_top_k_text: int | None = _opt(
+        None, "moshi engine: text top-k (unset: the checkpoint's, else 25)", parse=int
+    )
+    moshi_seed: int = _opt(0, "moshi engine: seed of the random weights and of sampling")
+    voice_prompt_dir: str = _opt(
+        "",
+        "moshi engine, PersonaPlex: the folder of voice prompts sessions may name (NVIDIA's voices.tgz"
+        " .pt files, or .wav), each loaded once at start",
+    )
+    prompt_cache_mb: int = _opt(
+        1024,
+        "moshi engine, PersonaPlex: GPU memory for the keys and values of prompts already run (MiB), so"
+        " a session with a prompt seen before copies them instead of running it; counted in the plan",
+    )
+    moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
+    moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
+    moshi_attention: str = _opt(
+        "live",
+        "moshi engine: LM attention over each session's live KV prefix (live) or the library's"
+        " over the whole ring (stock)",
+        ("live", "stock"),
+    )
+    moshi_kv_dtype: str = _opt(
+        "bf16",
+        "moshi engine: the LM's KV ring in the model's dtype (bf16) or int8 with a scale per slot and"
+        " head: half the memory a session, not exact (docs/moshi-engine.md)",
+        ("bf16", "int8"),
+    )
+    moshi_mimi_attention: str = _opt(
+        "live",
+        "moshi engine: Mimi's transformers attend over their ring with one small kernel a layer (live:"
+        " CUDA with Triton; float32 like stock, not bit for bit) or with the library's position table,"
+        " mask and SDPA (stock; what the CPU always runs)",
+        ("live", "stock"),
+    )
+    moshi_fp32_matmul: str = _opt(
+        "float32",
+        "moshi engine: Mimi's float32 matmuls in full float32 as Kyutai runs them, or on the tensor"
+        " cores as TF32 (10-bit mantissa, as torch already runs Mimi's convolutions; faster at large"
+        " batch, not exact: docs/moshi-engine.md)",
+        ("float32", "tf32"),
+    )
+    moshi_mimi_graph: str = _opt(
+        "whole",
+        "moshi engine: Mimi's CUDA graphs as the library captures them (parts: encoder, decoder and"
+        " transformers; the frame-rate convolutions and the quantizer launched op by op from the"
+        " host) or decode and the quantizer's encode each one graph more (whole: the same kernels,"
+        " fewer host launches a step, outputs bit for bit the same; docs/moshi-engine.md)",
+        ("parts", "whole"),
+    )
+    moshi_depformer: str = _opt(
+        "lean",
+        "moshi engine: the depformer's attention over the live slots of its ring without a mask (lean:"
+        " the same keys and values, stock's tokens in float64 on the CPU; on CUDA one small kernel a"
+        " layer, 17 -> 9 ms a step at 384 slots, docs/benchmarks.md) or as the library runs it (stock:"
+        " a position table and a masked SDPA per layer and codebook)",
+        ("stock", "lean"),
+    )
+    vllm_omni_model: str = _opt("", "vllm-omni engine: model (HF id or local path) DuplexOmniEngine serves")
+    vllm_omni_deploy_config: str = _opt("", "vllm-omni engine: deploy YAML (session_mode: duplex)")
+    vllm_omni_args: str = _opt("", "vllm-omni engine: JSON object of further DuplexOmni keyword arguments")
+    vllm_omni_session: str = _opt(
+        "", "vllm-omni engine: JSON object merged into every session's Realtime session payload"
+    )
+    vllm_omni_input_rate: int = _opt(24000, "vllm-omni engine: the rate the model takes pcm_f32le at")
+    vllm_omni_standin: bool = _opt(
+        False, "vllm-omni engine, tests and benchmarks: vLLM-Omni's real engine on the CPU, model stood in "
+        "by an echo (docs/vllm-omni.md)"
+    )
+    engine_process: bool | None = _opt(
+        None, "run the engine in a process of its own (shared memory), so its Python never holds the "
+        "server's GIL (unset: on for the moshi engine on a GPU, off otherwise)"
+    )
+
+    # Codecs (docs/codecs.md says what runs where, and why).
+    codec_threads: int = _opt(2, "threads for transcoding that releases the GIL (resampling above 96 kHz)")
+    codec_processes: int = _opt(
+        2, "worker processes holding Opus codec state (off the loop process); 0: Opus runs on the loop"
+    )
+    opus_complexity: int = _opt(
+        5, "Opus output: libopus encoder complexity, 0 (cheapest) to 10, application AUDIO (docs/codecs.md); "
+        "ignored when libopus cannot be loaded and sphn encodes"
+    )
+    codec_batch_ms: float = _opt(
+        2.0, "codec worker requests wait up to this long to leave together (one sendmsg, one worker "
+        "wake-up and one reply for many sessions' frames); 0: at the end of each loop iteration"
+    )
+
+    engine_coalesce_ms: float = _opt(
+        1.0,
+        "when the engine wakes from idle, wait this long before stepping so one step serves the "
+        "frames of many sessions (fewer thread hand-offs per frame); 0 steps at once",
+    )
+    engine_tick_ms: float = _opt(
+        0.0,
+        "step the engine on a clock of this period, every session with a frame in each step "
+        "(docs/architecture.md: one step per frame instead of cohorts, at up to one frame of "
+        "latency; 80 is one frame); 0: step whenever a frame is pending (lower latency: the "
+        "H200 runs in docs/benchmarks.md)",
+    )
+
+    # Admission and bounds.
+    max_sessions: int = _opt(
+        256, "sessions served at once (engine slots); more get 1013. auto (moshi engine on a GPU): as "
+        "many as fit in the GPU's free memory after the weights, by the engine's memory plan "
+        "(duplexserve check shows it)",
+        parse=int_or_auto,
+    )
+    queue_size: int = _opt(256, "bound of the janus queue into the engine thread")
+    inflight_frames: int = _opt(
+        8, "frames of one session handed to the engine and not yet answered, at most"
+    )
+    max_pending_frames: int = _opt(
+        64, "frames of one session buffered before the engine; past it, reading pauses"
+    )
+    max_output_frames: int = _opt(
+        256, "frames queued toward one client; a client that falls further behind is closed"
+    )
+    max_message_bytes: int = _opt(1 << 20, "largest WebSocket message accepted (1009 beyond)")
+    idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
+    max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
+    max_sessions_per_client: int = _opt(0, "sessions one client address may hold at once (0: no limit)")
+    handshake_timeout_s: float = _opt(
+        10.0, "close a connection whose HTTP/WebSocket handshake is not complete after this long"
+    )
+    drain_max_s: float = _opt(
+        10.0, "duplex/1: after input.end, how long a model that ends its answer on its own (Hibiki's "
+        "translation, until its end of text) may go on on silence, at most"
+    )
+    drain_grace_s: float = _opt(
+        30.0, "on SIGTERM: stop admitting, let sessions finish this long, then close the rest"
+    )
+    resume_grace_s: float = _opt(
+        30.0, "duplex/1: keep a session whose connection dropped this long for a resume (0: no resume)"
+    )
+    max_detached: int = _opt(
+        -1, "duplex/1: most sessions kept detached for a resume at once; past it the one detached "
+        "longest ends (resume_evicted), as it does when a new session finds every slot taken "
+        "(-1: a quarter of --max-sessions, at least 1)",
+    )
+    late_frame_ms: float = _opt(
+        200.0, "an output frame handed to the socket more than this after its input arrived is late "
+        "(duplexserve_frames_late_total, session.closed late_frames)"
+    )
+    engine_stall_s: float = _opt(
+        10.0, "an engine step running longer than this is a stall: its sessions fail, the engine is rebuilt"
+    )
+    refuse_with_http_503: bool = _opt(
+        False,
+        "when full or draining, answer the WebSocket upgrade with HTTP 503 instead of accepting and "
+        "closing with 1013, so a proxy in front (nginx proxy_next_upstream http_503) tries another replica",
+    )
+
+    # OpenAI Realtime: how continuous model speech is cut into responses (docs/protocols.md).
+    realtime_speech_dbfs: float = _opt(
+        -45.0, "OpenAI Realtime: an output frame louder than this (RMS, dBFS) is speech and opens a response"
+    )
+    realtime_silence_ms: int = _opt(480, "OpenAI Realtime: this much silent output ends a response")
+
+    # WebRTC (POST /v1/realtime/calls; docs/protocols.md).
+    ice_servers: str = _opt(
+        "", "WebRTC: STUN/TURN servers for deployments behind NAT, as a JSON list of RTCIceServer objects "
+        "([{\"urls\": \"turn:turn.example.com:3478\", \"username\": \"u\", \"credential\": \"p\"}]) or plain "
+        "comma-separated URLs; empty: host candidates only (never a public default)"
+    )
+    ice_host_addresses: str = _opt(
+        "", "WebRTC: comma-separated addresses offered as host candidates (127.0.0.1 included if named); "
+        "empty: every interface's address except loopback, as aioice gathers them"
+    )
+    webrtc_jitter_frames: int = _opt(
+        3, "WebRTC: the jitter buffer's depth in 20 ms packets: how long the model's clock runs behind the "
+        "first packet, so that packets this much late or early are still played in order"
+    )
+    webrtc_packet_ms: int = _opt(
+        80, "WebRTC: the Opus packets the server sends, 20, 40 or 80 ms (one model frame: a quarter of the "
+        "per-packet work of 20 ms); a peer's a=maxptime lowers it"
+    )
+    webrtc_ptime_ms: int = _opt(
+        40, "WebRTC: the Opus packets asked of peers, 20, 40 or 80 ms (a=ptime in the answer, which browsers "
+        "follow): 40 halves the packets to receive, unprotect and decode against browsers' default 20, and a "
+        "lost one is rebuilt half from concealment, half from the next packet's FEC; a=maxptime lowers it"
+    )
+    webrtc_output_fec: bool = _opt(
+        False, "WebRTC: in-band FEC in the Opus the server sends (browsers rebuild lost packets from it; "
+        "costs up to 4x the encoding CPU)"
+    )
+
+    # Security.
+    api_keys: str = _opt("", "comma-separated API keys; empty: no authentication")
+    allowed_origins: str = _opt("", "comma-separated Origins browsers may connect from; empty: any")
+
+    # Behaviour switches used by tests and benchmarks.
+    synthetic_faults: bool = _opt(
+        False,
+        "tests only: the synthetic engine raises on a frame whose first sample is 1e30 and hangs "
+        "on one whose first sample is -1e30",
+    )
+    offload_every_frame: bool = _opt(
+        False,
+        "benchmark only: hop to a thread pool for the audio conversion and for the queue put "
+        "on every frame, as vLLM-Omni's frontend did",
+    )
+
+    @property
+    def model_name(self) -> str:
+        """What clients are told they talk to: --model, or what the engine settings say."""
+        if self.model:
+            return self.model
+        if self.engine == "synthetic":
+            return f"synthetic-{self.synthetic_mode}"
+        if self.engine == "moshi":
+            named = self.moshi_hf_repo.partition("@")[0] or self.moshi_weights.rstrip("/")
+            return os.path.basename(named) if named else self.moshi_preset
+        return self.vllm_omni_model or self.engine
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field; defaults come from the environment when set there."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            env = ENV_PREFIX + f.name.upper()
+            default = _from_env(env, f.default, f.metadata["parse"])
+            help_text = f"{f.metadata['help']} [env {env}; default %(default)s]"
+            if isinstance(f.default, bool) or f.type == "bool | None":
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                )
+            else:
+                parser.add_argument(
+                    flag,
+                    type=f.metadata["parse"] or type(f.default),
+                    default=default,
+                    choices=f.metadata["choices"],
+                    help=help_text,
+                )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServerConfig:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def engine_in_process(self) -> bool:
+        """``--engine-process`` as set, else on for the moshi engine on a GPU: there, under
+        load, an engine thread's many torch calls fight the event loop for the GIL
+        (docs/moshi-engine.md)."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return self.engine == "moshi" and self._on_gpu()
+
+    def _on_gpu(self) -> bool:
+        return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
+
+    def validate(self) -> None:
+        if self.max_sessions == AUTO_SESSIONS:
+            if self.engine != "moshi" or not self._on_gpu():
+                where = f"with --engine {self.engine}" if self.engine != "moshi" else "on the CPU"
+                raise ValueError(
+                    f"--max-sessions auto sizes the moshi engine's slots by its GPU's free memory; {where} "
+                    "give a number"
+                )
+        elif self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1 (or auto)")
+        if self.queue_size < 1 or self.inflight_frames < 1:
+            raise ValueError("queue_size and inflight_frames must be at least 1")
+        if self.max_pending_frames < 1 or self.max_output_frames < 1:
+            raise ValueError("max_pending_frames and max_output_frames must be at least 1")
+        if self.delay_frames < 0 or self.text_every < 0:
+            raise ValueError("delay_frames and text_every cannot be negative")
+        if self.engine == "vllm-omni" and not (self.vllm_omni_model or self.vllm_omni_standin):
+            raise ValueError("--engine vllm-omni needs --vllm-omni-model (or --vllm-omni-standin)")
+        if self.engine == "vllm-omni" and self.engine_process:
+            raise ValueError("--engine vllm-omni runs its own orchestrator thread and processes: "
+                             "--engine-process does not apply")
+        if self.engine_tick_ms < 0:
+            raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
+        if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
+            raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
+        if self.drain_max_s <= 0:
+            raise ValueError("drain_max_s must be positive")
+        if self.max_detached < -1:
+            raise ValueError("max_detached must be -1 (a quarter of max_sessions) or at least 0")
+        if self.codec_threads < 1 or self.codec_processes < 0:
+            raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
+        if not 0 <= self.opus_complexity <= 10:
+            raise ValueError("opus_complexity must be 0..10")
+        if not 0 <= self.codec_batch_ms <= 20:
+            raise ValueError("codec_batch_ms must be 0..20")
+        if self.webrtc_packet_ms not in (20, 40, 80):
+            raise ValueError("webrtc_packet_ms must be 20, 40 or 80")
+        if self.webrtc_ptime_ms not in (20, 40, 80):
+            raise ValueError("webrtc_ptime_ms must be 20, 40 or 80")
+        if not 1 <= self.webrtc_jitter_frames <= 50:
+            raise ValueError("webrtc_jitter_frames must be 1..50 (20 ms packets)")
+
+
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
+def _from_env(name: str, default: Any, parse: Callable[[str], Any] | None = None) -> Any:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if parse is not None:
+        return parse(raw)
+    if isinstance(default, bool) or (default is None and raw.strip().lower() in _BOOL_WORDS):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return type(default)(raw)

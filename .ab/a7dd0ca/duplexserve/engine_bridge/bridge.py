@@ -1,0 +1,515 @@
+"""The bridge between the event-loop thread and the engine thread.
+
+Into the engine: a bounded janus queue. The items of one loop iteration (frames and
+controls, in the order they came) go in as one entry with ``put_nowait``: one lock and at
+most one wake-up of the engine thread per iteration, not per frame. A frame that finds
+the queue full is not taken (``try_submit`` says so) and waits, first in its session's
+FIFO, for the next results to wake the loop. Only an entry that finds the queue full at
+the end of the iteration (controls cannot wait) takes the slow path of
+``overflow.OrderedPutter``: one executor task per full-queue episode, order kept.
+
+Out of the engine: each step's result is appended to a deque and the loop is woken
+with ``call_soon_threadsafe`` only if no wake-up is already pending, so a busy loop
+takes several steps per wake-up and never one call per frame.
+
+Stepping on a clock (``tick_s``, one frame by default for the moshi engine): see
+``batcher.StepClock``. Between ticks the engine thread sleeps in short slices and
+drains the queue after each, so the queue never fills while it waits.
+
+Queue entries are ``(received, items)``: ``time.monotonic()`` when the iteration's items
+were put, so a frame's age counts from its arrival, not from when a busy engine thread
+got to it. Items are ``(slot, generation, payload)``: payload is a frame (an ndarray view of
+the received bytes), or an :class:`Open` / :class:`Close` control. The generation
+stamps every output, so a late output of a closed session never reaches the next
+occupant of its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import janus
+import numpy as np
+
+from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher, StepClock
+from duplexserve.engine_bridge.engine import Engine, PromptError
+from duplexserve.engine_bridge.overflow import OrderedPutter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Open:
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+#: Called on the loop once the engine ran a prompt: None, or (error code, message).
+PromptDone = Callable[[tuple[str, str] | None], None]
+
+
+@dataclass(slots=True)
+class Prompt:
+    params: dict[str, Any]
+    done: PromptDone
+
+
+@dataclass(slots=True)
+class Close:
+    pass
+
+
+@dataclass(slots=True)
+class EndInput:
+    frames: int  # input frames of the session; the tail starts at this index
+
+
+_CLOSE = Close()
+_TICK_SLICE_S = 0.01  # between ticks, drain the queue this often
+_ALIVE_CHECK_S = 0.5  # while idle, ask the engine this often whether it is alive
+#: Prompts run between two steps for at most about this long (one prefill may take longer):
+#: a burst of new sessions waits for the next steps, the live ones' frames do not wait for it.
+_PROMPT_BUDGET_S = 0.02
+#: Why an engine was restarted: a step raised, its process died, or a step never returned.
+RESTART_CAUSES = ("step_failed", "engine_died", "stalled")
+_STOP = object()
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step returns to the loop: row i belongs to ``slots[i]``."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+    audio: np.ndarray | None
+    text: dict[int, str]
+    error: str | None = None
+    finished: list[int] | None = None  # rows whose answer ended (StepResult.finished)
+    duration_s: float = 0.0
+    published: float = 0.0  # perf_counter when the engine thread handed it to the loop
+    #: On a step clock: how long after its tick the step started, and whether it was a
+    #: catch-up step (frames that missed their tick; it costs a whole step on the GPU).
+    tick_lag_s: float | None = None
+    catch_up: bool = False
+    arrived_past_due_s: float = 0.0  # the latest of its frames' arrival past its due time
+
+
+@dataclass(slots=True)
+class BridgeCounts:
+    fast_puts: int = 0  # frames accepted for the engine without waiting
+    queue_puts: int = 0  # janus puts: one per loop iteration that produced items
+    full_waits: int = 0  # frames that found the queue full and waited on the loop for room
+    slow_puts: int = 0  # items sent through the executor-drained overflow FIFO
+    executor_submissions: int = 0
+    loop_wakeups: int = 0
+    steps: int = 0
+    frames_stepped: int = 0
+    catch_up_steps: int = 0  # clock steps for frames that missed their tick
+    catch_up_frames: int = 0
+    engine_errors: int = 0
+    engine_restarts: int = 0
+    #: Sessions ended by restarts, per cause (:data:`RESTART_CAUSES`): every session the
+    #: failed engine held lost its model state.
+    sessions_ended_by_restart: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class EngineBridge:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[StepOutput]], None],
+        queue_size: int = 256,
+        window: int = 8,
+        on_step: Callable[[StepOutput], None] | None = None,
+        counts: BridgeCounts | None = None,
+        coalesce_s: float = 0.0,
+        tick_s: float = 0.0,
+        on_deliver: Callable[[float, float], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        #: After an idle wait, let this long pass before stepping, so one step (and one
+        #: wake-up of the loop) serves the frames of many sessions instead of one.
+        self.coalesce_s = coalesce_s
+        #: Step on a clock of this period (0: whenever a frame is pending).
+        self.clock = StepClock(tick_s) if tick_s else None
+        self.counts = counts or BridgeCounts()
+        self._on_outputs = on_outputs
+        self.on_step = on_step
+        #: Told, per wake-up of the loop, how long the oldest result waited for the loop
+        #: and how long handing the answers to the sessions took (where a frame's time goes
+        #: between the step and the socket).
+        self.on_deliver = on_deliver
+        self._queue_size = queue_size
+        self._batcher = (
+            SlotBatcher(engine.num_slots, window, engine.frame_samples / 24000)
+            if tick_s
+            else FifoBatcher(engine.num_slots, window)
+        )
+        self._queue: janus.Queue[tuple[float, list[tuple[int, int, Any]]]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready: asyncio.Future[None] | None = None
+        # Loop -> engine: the items of one loop iteration, then the slow path.
+        self._batch: list[tuple[int, int, Any]] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-put")
+        self._putter: OrderedPutter[tuple[float, list[tuple[int, int, Any]]]] | None = None
+        # Engine -> loop.
+        self._results: collections.deque[StepOutput] = collections.deque()
+        self._wake_pending = False
+        self._open: dict[int, int] = {}  # open slot: its generation (all end if the engine does)
+        self._prompts: collections.deque[tuple[int, int, Prompt]] = collections.deque()  # to run
+        self.running = False  # False while starting, restarting or stopped: /ready says 503
+        self.abandoned = False  # set when a stalled engine is replaced: its thread exits
+        self.step_started = 0.0  # monotonic start of the step in progress, 0 when idle
+
+    # ------------------------------------------------------------------ loop side
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = janus.Queue(maxsize=self._queue_size)
+        self._putter = OrderedPutter(
+            self._queue.async_q.put_nowait,
+            self._queue.sync_q.put,
+            asyncio.QueueFull,
+            self.counts,
+            self._executor,
+        )
+        self._ready = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+        await self._ready
+        self.running = True
+
+    async def stop(self) -> None:
+        if self._thread is None or self._queue is None:
+            return
+        self.running = False
+        self.submit((-1, 0, _STOP))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
+        await self._queue.wait_closed()
+        self._thread = None
+
+    def abandon(self) -> None:
+        """Give up on a stalled engine thread: its late results are dropped, it exits."""
+        self.abandoned = True
+        self.running = False
+        if self._queue is not None:
+            self._queue.close()  # unblocks the overflow drainer, if one waits for room
+
+    def qsize(self) -> int:
+        return self._queue.sync_q.qsize() if self._queue is not None else 0
+
+    def try_submit(self, item: tuple[int, int, Any]) -> bool:
+        """Put a frame if the queue has room now; False means wait for the next results.
+
+        The orchestrator keeps a refused frame at the head of its session's FIFO and
+        tries again when the engine's next results wake the loop: a full queue is waited
+        out on the loop, in order, with no thread hop and no extra wake-up.
+        """
+        assert self._queue is not None and self._putter is not None
+        if self._putter.backed_up or self._queue.async_q.full():
+            self.counts.full_waits += 1
+            return False
+        self._enqueue(item)
+        self.counts.fast_puts += 1
+        return True
+
+    def _enqueue(self, item: tuple[int, int, Any]) -> None:
+        """Collect this loop iteration's items; they go to the engine as one queue entry."""
+        batch = self._batch
+        batch.append(item)
+        if len(batch) == 1:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Put the iteration's items with one ``put_nowait``: one lock, one wake-up."""
+        batch, self._batch = self._batch, []
+        if self.abandoned or self._putter is None:
+            return
+        if self._putter.put((time.monotonic(), batch), len(batch)):
+            self.counts.queue_puts += 1
+
+    def submit(self, item: tuple[int, int, Any]) -> None:
+        """Hand a control (open, close) to the engine thread, in order with the frames.
+
+        Controls cannot wait for results: if the queue is full when the iteration's
+        items are put, they go to the overflow FIFO that one executor task drains.
+        """
+        assert self._queue is not None
+        self._enqueue(item)
+
+    def open(self, slot: int, generation: int, params: dict[str, Any]) -> None:
+        self.submit((slot, generation, Open(params)))
+
+    def prompt(self, slot: int, generation: int, params: dict[str, Any], done: PromptDone) -> None:
+        """Run a session's prompt (Engine.prompt) after its open, before its frames."""
+        self.submit((slot, generation, Prompt(params, done)))
+
+    def close(self, slot: int, generation: int) -> None:
+        self.submit((slot, generation, _CLOSE))
+
+    def end_input(self, slot: int, generation: int, frames: int) -> None:
+        self.submit((slot, generation, EndInput(frames)))
+
+    async def submit_offloaded(self, item: tuple[int, int, Any]) -> None:
+        """The per-frame thread hop of vLLM-Omni's frontend, kept only to measure against."""
+        assert self._queue is not None and self._loop is not None
+        self.counts.executor_submissions += 1
+        self.counts.slow_puts += 1
+        entry = (time.monotonic(), [item])
+        await self._loop.run_in_executor(None, self._queue.sync_q.put, entry)
+
+    def _deliver(self) -> None:
+        started = time.perf_counter()
+        self._wake_pending = False
+        self.counts.loop_wakeups += 1
+        results = self._results
+        batch = []
+        while results:
+            batch.append(results.popleft())
+        if batch:
+            self._on_outputs(batch)
+            if self.on_deliver is not None:
+                self.on_deliver(started - batch[0].published, time.perf_counter() - started)
+
+    # ---------------------------------------------------------------- engine side
+    def _publish(self, out: StepOutput) -> None:
+        assert self._loop is not None
+        if self.abandoned:
+            return
+        out.published = time.perf_counter()
+        self._results.append(out)
+        if not self._wake_pending:
+            self._wake_pending = True
+            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+                self._loop.call_soon_threadsafe(self._deliver)
+
+    def _run(self) -> None:
+        assert self._loop is not None and self._queue is not None and self._ready is not None
+        ready = self._ready
+        try:
+            self.engine.start()
+        except BaseException as exc:
+            log.exception("engine failed to start")
+            self._loop.call_soon_threadsafe(_set_exception, ready, exc)
+            return
+        self._loop.call_soon_threadsafe(_set_result, ready)
+        sync_q = self._queue.sync_q
+        batcher = self._batcher
+        clock = self.clock
+        coalesce_s = 0.0 if clock else self.coalesce_s
+        try:
+            while True:
+                if not batcher.pending and not self._prompts:  # idle: block for work, let a batch gather
+                    try:
+                        entry = sync_q.get(timeout=_ALIVE_CHECK_S)
+                    except janus.SyncQueueEmpty:  # idle sessions learn of a dead engine too
+                        if self._open and not self.engine.alive():
+                            self._restart("engine_died")
+                        continue
+                    if self._take_all(entry):
+                        return
+                    if coalesce_s:
+                        time.sleep(coalesce_s)
+                while True:  # drain everything pending, then step once
+                    try:
+                        entry = sync_q.get_nowait()
+                    except janus.SyncQueueEmpty:
+                        break
+                    if self._take_all(entry):
+                        return
+                if self._prompts:
+                    self._run_prompts()
+                if not batcher.pending:
+                    continue
+                if clock is not None:
+                    now = time.monotonic()
+                    wait, cutoff = clock.decide(now, batcher.oldest_due())
+                    if wait > 0.0:
+                        time.sleep(min(wait, _TICK_SLICE_S))  # then drain again
+                        continue
+                    self._step(cutoff, now - clock.last, clock.catch_up)
+                else:
+                    self._step()
+                if self.abandoned:
+                    return
+        except janus.SyncQueueShutDown:
+            return
+        finally:
+            try:
+                self.engine.stop()
+            except Exception:
+                log.exception("engine failed to stop cleanly")
+
+    def _take_all(self, entry: tuple[float, list[tuple[int, int, Any]]]) -> bool:
+        """Apply one queue entry (a loop iteration's items); True means stop."""
+        received, items = entry
+        take = self._take
+        return any(take(item, received) for item in items)
+
+    def _take(self, item: tuple[int, int, Any], received: float) -> bool:
+        """Apply one item from the queue; True means stop."""
+        slot, generation, payload = item
+        if payload.__class__ is np.ndarray:
+            if not self._batcher.push(slot, generation, payload, received):
+                self._fail_slot(slot, generation, "frame_window_exceeded")
+            return False
+        if payload is _STOP:
+            return True
+        if payload.__class__ is Open:
+            self._batcher.open(slot, generation)
+            self._open[slot] = generation
+            try:
+                self.engine.open(slot, payload.params)
+            except Exception:
+                log.exception("engine.open failed for slot %d", slot)
+                if not self.engine.alive():
+                    self._restart("engine_died")
+                else:
+                    self._fail_slot(slot, generation, "engine_error")
+        elif payload.__class__ is Prompt:
+            self._prompts.append((slot, generation, payload))
+        elif payload.__class__ is EndInput:
+            if self._open.get(slot) == generation:
+                self.engine.end_input(slot, payload.frames)
+        else:
+            self._batcher.close(slot)
+            self._open.pop(slot, None)
+            try:
+                self.engine.close(slot)
+            except Exception:
+                log.exception("engine.close failed for slot %d", slot)
+                if not self.engine.alive():
+                    self._restart("engine_died")
+        return False
+
+    def _run_prompts(self) -> None:
+        """The prompts waiting, in order, until a second one would need a forward or their time
+        passed ``_PROMPT_BUDGET_S``: a step of the live sessions waits for one prefill at most
+        (a prompt the engine ran before is a copy of its keys and values, about 9 ms for
+        personaplex-7b on the H200; one whose session ended costs nothing)."""
+        forward = False
+        started = time.perf_counter()
+        while self._prompts:
+            slot, generation, payload = self._prompts[0]
+            live = self._open.get(slot) == generation
+            cached = not live or self.engine.prompt_cached(payload.params)
+            over = time.perf_counter() - started > _PROMPT_BUDGET_S
+            if live and (over or (forward and not cached)):
+                return
+            self._prompts.popleft()
+            forward = forward or not cached
+            self._prompt(slot, generation, payload)
+
+    def _prompt(self, slot: int, generation: int, payload: Prompt) -> None:
+        """The prompt runs on this thread (a prefill: one forward), between two steps."""
+        outcome: tuple[str, str] | None = None
+        if self._open.get(slot) == generation:
+            try:
+                self.engine.prompt(slot, payload.params)
+            except PromptError as exc:
+                outcome = (exc.code, str(exc))
+            except Exception:
+                log.exception("engine.prompt failed for slot %d", slot)
+                outcome = ("engine_error", "the engine failed to run the prompt")
+                if not self.engine.alive():
+                    self._restart("engine_died")
+                else:
+                    self._fail_slot(slot, generation, "engine_error")
+        else:
+            outcome = ("engine_error", "the session ended before its prompt ran")
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(payload.done, outcome)
+
+    def _fail_slot(self, slot: int, generation: int, error: str) -> None:
+        self._batcher.close(slot)
+        self._open.pop(slot, None)
+        self.counts.engine_errors += 1
+        self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
+
+    def _step(self, cutoff: float = math.inf, lag_s: float | None = None, catch_up: bool = False) -> None:
+        slots, generations, frames = self._batcher.gather(cutoff, self.engine.input_buffer)
+        if not len(slots):
+            return  # a tick with nothing due yet
+        started = time.perf_counter()
+        self.step_started = time.monotonic()
+        try:
+            result = self.engine.step(slots, frames)
+        except Exception:  # a failed step fails the engine's sessions, not the server
+            self.step_started = 0.0
+            log.exception("engine step failed for %d sessions", len(slots))
+            self._restart("step_failed" if self.engine.alive() else "engine_died")
+            return
+        self.step_started = 0.0
+        out = StepOutput(slots, generations, result.audio, result.text, finished=result.finished)
+        out.duration_s = time.perf_counter() - started
+        out.tick_lag_s, out.catch_up = lag_s, catch_up
+        out.arrived_past_due_s = self._batcher.arrived_past_due
+        self.counts.steps += 1
+        self.counts.frames_stepped += len(slots)
+        if catch_up:
+            self.counts.catch_up_steps += 1
+            self.counts.catch_up_frames += len(slots)
+        if self.on_step is not None:
+            self.on_step(out)
+        self._publish(out)
+
+    def _restart(self, cause: str) -> None:
+        """Start the engine anew on this thread after it failed (``cause``).
+
+        Its model state is gone for every session it held, whatever batch each was in, so
+        every open slot ends with ``engine_error`` (PROTOCOL.md, Guarantees): a session
+        never goes on silently on a fresh state. The new engine starts with no slot open.
+        """
+        self.running = False
+        lost, self._open = self._open, {}
+        for slot in lost:
+            self._batcher.close(slot)
+        self.counts.engine_errors += 1
+        self.counts.sessions_ended_by_restart[cause] += len(lost)
+        log.error(
+            "engine restart (cause: %s): %d sessions lost their model state and end with engine_error",
+            cause,
+            len(lost),
+        )
+        if lost:
+            slots, generations = np.fromiter(lost, np.int64), np.fromiter(lost.values(), np.int64)
+            self._publish(StepOutput(slots, generations, None, {}, "engine_error"))
+        try:
+            self.engine.stop()
+        except Exception:
+            log.exception("engine failed to stop before its restart")
+        delay = 0.1
+        while not self.abandoned:
+            try:
+                self.engine.start()
+            except Exception:
+                log.exception("engine restart failed; retrying in %.1f s", delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            else:
+                self.counts.engine_restarts += 1
+                self.running = True
+                return
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future[None], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

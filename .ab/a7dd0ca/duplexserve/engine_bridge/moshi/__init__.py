@@ -1,0 +1,1 @@
+"""The moshi engine: Kyutai's Mimi + LM batched over fixed slots (torch imported lazily)."""

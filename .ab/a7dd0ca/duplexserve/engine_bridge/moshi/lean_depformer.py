@@ -1,0 +1,101 @@
+"""The depformer's attention without a mask (``--moshi-depformer lean``).
+
+``LMGen.depformer_step`` opens a fresh streaming state of the depformer for every LM
+step and runs its ``dep_q`` codebook steps one after the other, every row in step: at
+codebook step ``k`` (the state's ``offset_cpu``, a Python int, so a constant inside the
+CUDA graph) each row writes its key and value at ring slot ``k % capacity`` and moshi's
+mask keeps the positions ``(k - context, k]``; the ring is as long as the context (or
+as the steps, without one), so those are exactly its first ``min(k + 1, capacity)``
+slots, in slot order (hibiki-2b-class: 16 steps over a ring of 8, which wraps). Stock moshi
+builds that mask from a position table in every layer of every codebook step (about ten
+small kernels) and hands it to SDPA, which with a mask takes cuDNN's masked kernel:
+5.8 ms of the step at 384 hibiki-2b-class slots on the H200 for 96 calls over at most 8 keys.
+Here the slot is written with one copy and the live slots are read unmasked: on the
+CPU by SDPA over the slice (the tests show the depformer's tokens equal to stock
+moshi's and its logits equal in float64 up to the order of the sums: without the masked
+keys a vectorised kernel may add in another order, 1e-15 on an AVX-512 CPU), on CUDA
+by ``ring_attention`` (one small program per row and head; SDPA's flash kernel over the
+slice took 142 us a call at 384 slots, more than cuDNN's masked one, docs/benchmarks.md).
+Grouped KV heads (moshi gives the depformer the LM's ``kv_repeat``: Hibiki-Zero's 16 heads
+read 8) stay grouped in the ring and are read in place (``ring_attention``'s groups,
+SDPA's ``enable_gqa``), where stock moshi repeats the ring in every layer of every step.
+The rest of Hibiki's depformer (weight schedule, low-rank embeddings, per-step output
+norms) is the library's code around these layers, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from moshi.modules.transformer import StreamingMultiheadAttention, apply_weights_per_step
+
+from .live_attention import triton_available
+from .live_lm import split_heads
+from .ring_attention import ring_attention
+
+
+class LeanStepAttention(StreamingMultiheadAttention):
+    """Causal self-attention of a transformer that is restarted for every sequence of
+    one-token steps taken by all rows together (the depformer)."""
+
+    _use_kernel: bool
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        state = self._streaming_state
+        if state is None or query.shape[1] != 1:
+            return super().forward(query, key, value)
+        cache = state.kv_cache
+        step = state.offset_cpu
+        b = query.shape[0]
+        projected = apply_weights_per_step(self.in_projs, self.weights_per_step_schedule, query, step)
+        q, k, v = split_heads(self, projected)
+        if self.rope is not None:
+            q, k = self.rope(q, k, state.offset, time_before_heads=False)
+        ring = cache.cache  # [2, B, KV heads, capacity, D]
+        slot = step % cache.capacity
+        ring[0, :, :, slot] = k[:, :, 0]
+        ring[1, :, :, slot] = v[:, :, 0]
+        if self._use_kernel:
+            x = ring_attention(q, ring[0], ring[1], cache.end_offset)  # end_offset: the step, [1]
+        else:
+            live = min(step + 1, cache.capacity)
+            keys, values = ring[0, :, :, :live], ring[1, :, :, :live]
+            x = F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.kv_repeat > 1)
+        x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
+        x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
+        # The state moves as the library's does (the state is dropped after the LM step).
+        cache.end_offset.add_(1)
+        state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
+        state.offset_cpu += 1
+        return x
+
+
+def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
+    """Give ``lm``'s depformer ``LeanStepAttention``; False where it cannot apply.
+
+    It applies to a depformer as moshi builds it: causal self-attention with weights per
+    step (its ring has one end offset for the whole batch, every row at the same step),
+    grouped KV heads or not, a ring as long as the context (or as the steps, without one).
+    ``use_kernel`` defaults to ``ring_attention`` where Triton runs (CUDA), else SDPA over
+    the live slots. Call before the LM starts streaming.
+    """
+    depformer = getattr(lm, "depformer", None)
+    if depformer is None or depformer.is_streaming:
+        return False
+    attentions = [layer.self_attn for layer in depformer.layers]
+    fits = all(
+        a.causal and not a.cross_attention and a.weights_per_step
+        and type(a) is StreamingMultiheadAttention
+        and (a.context is None or a.context > 0)
+        for a in attentions
+    )  # fmt: skip
+    if not fits:
+        return False
+    if use_kernel is None:
+        use_kernel = triton_available(next(lm.parameters()).device)
+    for attention in attentions:
+        attention.__class__ = LeanStepAttention
+        attention._use_kernel = use_kernel
+    return True

@@ -1,0 +1,414 @@
+"""Decode attention over each row's live prefix of the KV ring, not its whole capacity.
+
+moshi's ``RingKVCache`` writes a row's key and value at ``offset % capacity``, so a row
+that has stepped ``n`` times holds valid entries in slots ``[0, min(n, capacity))`` and
+nothing else; RoPE is applied before caching, so the order of the slots does not change
+the sum. With ``capacity == context`` (the LM's case) moshi's mask keeps exactly that
+prefix. Attending to the prefix alone is therefore the same computation, and it reads
+``min(n, capacity)`` slots instead of all of them: a session one minute old reads a
+quarter of a 3000-frame ring, an idle slot (length 0) reads nothing.
+
+On CUDA a split-K Triton kernel (flash-decoding: each program takes one chunk of one
+row's prefix, a second kernel merges the chunks' softmax partials) does the reading;
+its grid is fixed by the capacity, so it replays inside a CUDA graph, and chunks past a
+row's length cost one load of the length. An int8 ring (``--moshi-kv-dtype int8``) is
+read as int32 words, each byte made a float without a conversion instruction
+(``_partials_int8``; ``_partials_int8_mma`` takes ``q . k`` and ``p . v`` to the tensor
+cores), and written by one kernel a layer (``write_quantized``). Anywhere
+else (the CPU, no Triton) the same prefix goes to ``scaled_dot_product_attention`` as a
+boolean mask of moshi's own shape, which gives moshi's results bit for bit.
+
+Grouped KV heads (``kv_repeat`` query heads share one KV head: Hibiki-Zero's 16 heads over
+8) stay grouped in the ring, as in moshi's own, and are never repeated: a program of the
+kernel takes one KV head and its ``kv_repeat`` query heads, so each tile of the ring is
+loaded once for all of them, and SDPA gets ``enable_gqa`` (torch >= 2.5), which on the
+CPU reads the heads in place and gives the repeated ring's results bit for bit. Stock
+moshi instead copies the whole ring ``kv_repeat`` times in every layer of every step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton comes with CUDA builds of torch; CPU builds run the fallback.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Split size and tile shape of the partials kernel (chosen by measurement on an H200),
+    and for an int8 ring how its bytes become floats (see ``_partials_int8``)."""
+
+    chunk: int = 256  # keys per program: at capacity 3000 a row is at most 12 programs
+    block_n: int = 32  # keys loaded per iteration of a program
+    warps: int = 2
+    stages: int = 3
+    # "cast": int8 -> float32 a byte (the bf16 kernel's loop); "bits": ``_byte``; "mma": ``_byte``
+    # and the tensor cores (``_partials_int8_mma``)
+    int8: str = "cast"
+
+    def __post_init__(self) -> None:
+        if self.int8 not in ("cast", "bits", "mma"):
+            raise ValueError(f"int8 read {self.int8!r}: cast, bits or mma")
+
+    @classmethod
+    def parse(cls, text: str) -> KernelConfig:
+        """``chunk/block/warps/stages[/int8]``, as the benchmarks name a configuration."""
+        fields = text.split("/")
+        return cls(*(int(x) for x in fields[:4]), *fields[4:])  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return f"{self.chunk}/{self.block_n}/{self.warps}/{self.stages}/{self.int8}"
+
+
+DEFAULT = KernelConfig()
+# H200, int8 ring of 512 rows, 2 query heads a KV head, all 3000 slots live: 1.13 ms a layer
+# against 2.30 ms ("bits", the best of 13 tiles before; "cast" slower still) and a 0.73 ms floor.
+DEFAULT_INT8 = KernelConfig(chunk=512, block_n=16, warps=1, int8="mma")
+
+
+def prefix_mask(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The boolean mask ``[B, 1, 1, capacity]`` that keeps each row's first ``length`` slots."""
+    slots = torch.arange(capacity, device=lengths.device)
+    return (slots.view(1, -1) < lengths.view(-1, 1))[:, None, None]
+
+
+def reference_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The library's own attention call, with the prefix mask; ``keys`` and ``values`` may
+    hold fewer heads than ``q`` (grouped, query head ``h`` reading KV head ``h // kv_repeat``)."""
+    return F.scaled_dot_product_attention(
+        q, keys, values, mask, dropout_p=0.0, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per vector of the last dimension (a slot of one head),
+    rounded half away from zero like ``write_quantized``."""
+    scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
+    y = x.float() / scale[..., None]
+    q8 = (y.sign() * (y.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+    return q8, scale.to(x.dtype)
+
+
+def write_quantized(
+    k: torch.Tensor, v: torch.Tensor, ring: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """``quantize`` this step's ``k`` and ``v`` (``[B, H, 1, D]``, ``H`` the KV heads) into slot
+    ``slot[b]`` of each row of the int8 ring ``[2, B, H, C, D]`` and its scales ``[2, B, H, C]``, in one
+    kernel where the torch form takes a dozen small ones a layer."""
+    b, h, _, d = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    _quantize_write[(b * h, 2)](
+        k, v, ring, scales, slot,
+        *k.stride()[:2], *v.stride()[:2], *ring.stride()[:4], *scales.stride(),
+        h, D=d, num_warps=1,
+    )  # fmt: skip
+
+
+def dequantize(ring: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (ring.float() * scale.float()[..., None]).to(dtype)
+
+
+def triton_available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def live_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row over the first ``lengths[b]`` slots of row ``b``.
+
+    ``q`` is ``[B, H, 1, D]``; ``keys`` and ``values`` are ``[B, KV, C, D]`` views of the
+    ring with ``D`` contiguous, ``KV`` dividing ``H`` (query head ``h`` reads KV head
+    ``h // (H / KV)``, moshi's grouping); ``lengths`` is ``[B]`` int32. A row of length 0
+    gets zeros. With ``scales`` (key and value scales, ``[B, KV, C]`` each) the ring holds
+    int8 and slot ``c`` of KV head ``g`` stands for ``ring * scale``, dequantized as it is read.
+    """
+    b, h, t, d = q.shape
+    kv_heads = keys.shape[1]
+    group = h // kv_heads
+    assert t == 1 and group * kv_heads == h and keys.stride(-1) == 1 and values.stride(-1) == 1
+    config = config or (DEFAULT if scales is None else DEFAULT_INT8)
+    capacity = keys.shape[2]
+    splits = triton.cdiv(capacity, config.chunk)
+    q2 = q.reshape(b * h, d) if q.is_contiguous() else q.contiguous().reshape(b * h, d)
+    part_out = torch.empty((b * h, splits, d), device=q.device, dtype=torch.float32)
+    part_max = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
+    part_sum = torch.empty((b * h, splits), device=q.device, dtype=torch.float32)
+    ring_strides = (*keys.stride()[:3], *values.stride()[:3])
+    k_scale, v_scale = scales if scales is not None else (lengths, lengths)  # unread without scales
+    scale_strides = (*k_scale.stride()[:2], *v_scale.stride()[:2]) if scales is not None else (0, 0, 0, 0)
+    args = (q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum,
+            *ring_strides, *scale_strides, kv_heads, group, splits, 1.0 / math.sqrt(d))  # fmt: skip
+    tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d, "GROUP": triton.next_power_of_2(group),
+             "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
+    if scales is None or config.int8 == "cast":
+        _partials[(b * kv_heads, splits)](*args, QUANT=scales is not None, **tiles)
+    else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
+        assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
+        if config.int8 == "mma" and d >= 64 and config.block_n >= 16:  # tl.dot's smallest operands
+            _partials_int8_mma[(b * kv_heads, splits)](*args, **{**tiles, "GROUP": max(16, tiles["GROUP"])})
+        else:  # "bits", or heads too narrow for the tensor cores
+            _partials_int8[(b * kv_heads, splits)](*args, **tiles)
+    out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
+    _merge[(b * h,)](
+        part_out, part_max, part_sum, lengths, out, h, splits,
+        SPLITS=triton.next_power_of_2(splits), CHUNK=config.chunk, D=d, num_warps=4,
+    )  # fmt: skip
+    return out.view(b, h, 1, d)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk(LENGTHS, kv_heads, group, CHUNK: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+        """This program's row ``b``, KV head ``g``, chunk ``[start, end)`` of the row's live
+        prefix, and the rows of ``Q`` (``[B * H, D]``) of the group's query heads (``used``:
+        the ``group`` real ones of ``GROUP``, its power of two)."""
+        program = tl.program_id(0)  # b * kv_heads + g
+        split = tl.program_id(1)
+        b = program // kv_heads
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, tl.load(LENGTHS + b))
+        r = tl.arange(0, GROUP)
+        return program * group + r, r < group, split, b, program % kv_heads, start, end
+
+    @triton.jit
+    def _softmax_step(s, valid, m_i):  # type: ignore[no-untyped-def]
+        """One tile of each query's running softmax (``s``: ``[GROUP, BLOCK_N]``): the new
+        maximum, the rescale of what came before, and the tile's unnormalised weights (0
+        for keys past the chunk)."""
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new[:, None])
+
+    @triton.jit
+    def _partials(
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        kv_heads, group, splits, scale,
+        QUANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """One chunk of one (row, KV head) for each of its query heads: softmax max, sum and
+        weighted value sum, every K/V tile loaded once for the group."""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        d = tl.arange(0, D)
+        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32) * scale
+        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh  # slots contiguous
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        acc = tl.zeros([GROUP, D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32)[None, :, :] * q[:, None, :], axis=2)
+            if QUANT:
+                s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)[None, :]
+            m_new, alpha, p = _softmax_step(s, valid, m_i)
+            v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
+            pv = p
+            if QUANT:
+                pv = p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        part = rows * splits + split
+        tl.store(PART_OUT + part[:, None] * D + d[None, :], acc, mask=used[:, None])
+        tl.store(PART_MAX + part, m_i, mask=used)
+        tl.store(PART_SUM + part, l_i, mask=used)
+
+    @triton.jit
+    def _byte(w, i: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Byte ``i`` of each int32 word, an int8 ``x``, as float32, exactly: ``x + 128`` goes
+        into the mantissa of 2**23 and one add takes the bias off. Integer-to-float
+        conversions run at a fraction of an add's rate, and an int8 ring needs one a byte."""
+        return (((w >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+    @triton.jit
+    def _partials_int8(
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        kv_heads, group, splits, scale,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """``_partials`` over an int8 ring read as int32 words (four bytes of one vector each),
+        every byte made a float by ``_byte`` once for the group. (Rounding the query to int8
+        too, for ``q . k`` on the tensor cores, measured no faster and twice the error:
+        docs/benchmarks.md.)"""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        W: tl.constexpr = D // 4
+        j = tl.arange(0, W)
+        k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
+        v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
+        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
+        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
+        q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
+        acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            kw = tl.load(k_words + n[:, None] * (stride_kc // 4) + j[None, :], mask=valid[:, None], other=0)
+            s = tl.sum(
+                _byte(kw, 0)[None, :, :] * q0 + _byte(kw, 1)[None, :, :] * q1
+                + _byte(kw, 2)[None, :, :] * q2 + _byte(kw, 3)[None, :, :] * q3, axis=2,
+            )  # fmt: skip
+            s = s * tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32)[None, :]
+            m_new, alpha, p = _softmax_step(s, valid, m_i)
+            pv = (p * tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)[None, :])[:, :, None]
+            vw = tl.load(v_words + n[:, None] * (stride_vc // 4) + j[None, :], mask=valid[:, None], other=0)
+            acc0 = acc0 * alpha[:, None] + tl.sum(pv * _byte(vw, 0)[None, :, :], axis=1)
+            acc1 = acc1 * alpha[:, None] + tl.sum(pv * _byte(vw, 1)[None, :, :], axis=1)
+            acc2 = acc2 * alpha[:, None] + tl.sum(pv * _byte(vw, 2)[None, :, :], axis=1)
+            acc3 = acc3 * alpha[:, None] + tl.sum(pv * _byte(vw, 3)[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        part = rows * splits + split
+        out = PART_OUT + part[:, None] * D + 4 * j[None, :]
+        tl.store(out, acc0, mask=used[:, None])
+        tl.store(out + 1, acc1, mask=used[:, None])
+        tl.store(out + 2, acc2, mask=used[:, None])
+        tl.store(out + 3, acc3, mask=used[:, None])
+        tl.store(PART_MAX + part, m_i, mask=used)
+        tl.store(PART_SUM + part, l_i, mask=used)
+
+    @triton.jit
+    def _partials_int8_mma(
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        kv_heads, group, splits, scale,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """``_partials_int8`` with ``q . k`` and ``p . v`` on the tensor cores (``GROUP``: the query
+        block, padded to tl.dot's 16 rows). With the group's products on the CUDA cores, each
+        byte cost a conversion and ``group`` multiply-adds, a reduction across threads and, in
+        the 3-d broadcast, conversions repeated per query: at two queries a KV head the kernel
+        ran at 3-4x its memory floor. Here a byte costs its ``_byte`` and a cast to float16 (exact:
+        an int8 is), whatever the group, and the scales go to the scores and the weights, one
+        multiply a key: ``s = (q . k8) * k_scale``, ``acc += v_top * ((p * v_scale / v_top) . v8)``,
+        the weights taken over the tile's largest value scale ``v_top`` so that float16 keeps
+        their precision. A chunk past the row's length loads the length and nothing else."""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        if start < end:
+            W: tl.constexpr = D // 4
+            j = tl.arange(0, W)
+            k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
+            v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
+            ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
+            vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+            k_slot, v_slot = stride_kc // 4, stride_vc // 4  # in words
+            q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
+            q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float16)
+            q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float16)
+            q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float16)
+            q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float16)
+            m_i = tl.full([GROUP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP], dtype=tl.float32)
+            acc0 = tl.zeros([GROUP, W], dtype=tl.float32)
+            acc1 = tl.zeros([GROUP, W], dtype=tl.float32)
+            acc2 = tl.zeros([GROUP, W], dtype=tl.float32)
+            acc3 = tl.zeros([GROUP, W], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                valid = n < end
+                kw = tl.load(k_words + n[:, None] * k_slot + j[None, :], mask=valid[:, None], other=0)
+                s = tl.dot(q0, tl.trans(_byte(kw, 0).to(tl.float16)))
+                s = tl.dot(q1, tl.trans(_byte(kw, 1).to(tl.float16)), s)
+                s = tl.dot(q2, tl.trans(_byte(kw, 2).to(tl.float16)), s)
+                s = tl.dot(q3, tl.trans(_byte(kw, 3).to(tl.float16)), s)
+                s = s * (tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32) * scale)[None, :]
+                m_new, alpha, p = _softmax_step(s, valid, m_i)
+                vs = tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)
+                v_top = tl.max(vs, axis=0)  # > 0: a scale is at least 1e-8 / 127
+                pv = (p * (vs * (1.0 / v_top))[None, :]).to(tl.float16)
+                vw = tl.load(v_words + n[:, None] * v_slot + j[None, :], mask=valid[:, None], other=0)
+                acc0 = acc0 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 0).to(tl.float16))
+                acc1 = acc1 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 1).to(tl.float16))
+                acc2 = acc2 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 2).to(tl.float16))
+                acc3 = acc3 * alpha[:, None] + v_top * tl.dot(pv, _byte(vw, 3).to(tl.float16))
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            part = rows * splits + split
+            out = PART_OUT + part[:, None] * D + 4 * j[None, :]
+            tl.store(out, acc0, mask=used[:, None])
+            tl.store(out + 1, acc1, mask=used[:, None])
+            tl.store(out + 2, acc2, mask=used[:, None])
+            tl.store(out + 3, acc3, mask=used[:, None])
+            tl.store(PART_MAX + part, m_i, mask=used)
+            tl.store(PART_SUM + part, l_i, mask=used)
+
+    @triton.jit
+    def _quantize_write(
+        K, V, RING, SCALES, SLOT, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_r0, stride_rb, stride_rh, stride_rc, stride_s0, stride_sb, stride_sh, stride_sc,
+        heads, D: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """One vector (key or value) of one (row, KV head): its scale, its bytes, both stored."""
+        row = tl.program_id(0)
+        which = tl.program_id(1)
+        b = row // heads
+        h = row % heads
+        d = tl.arange(0, D)
+        if which == 0:
+            x = tl.load(K + b * stride_kb + h * stride_kh + d).to(tl.float32)
+        else:
+            x = tl.load(V + b * stride_vb + h * stride_vh + d).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / 127.0
+        y = x / scale
+        q8 = tl.minimum(tl.maximum(tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5)), -127.0), 127.0)
+        slot = tl.load(SLOT + b)
+        ring = RING + which * stride_r0 + b.to(tl.int64) * stride_rb + h * stride_rh + slot * stride_rc
+        tl.store(ring + d, q8.to(tl.int8))
+        at = SCALES + which * stride_s0 + b.to(tl.int64) * stride_sb + h * stride_sh + slot * stride_sc
+        tl.store(at, scale.to(SCALES.dtype.element_ty))
+
+    @triton.jit
+    def _merge(
+        PART_OUT, PART_MAX, PART_SUM, LENGTHS, OUT, heads, splits,
+        SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """Merge one (row, head)'s live chunks (those past the row's length are neither read nor
+        need be written); a row with no live slot gets zeros."""
+        row = tl.program_id(0)  # b * heads + head
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        used = (s < splits) & (s * CHUNK < tl.load(LENGTHS + row // heads))
+        m = tl.load(PART_MAX + row * splits + s, mask=used, other=float("-inf"))
+        l_s = tl.load(PART_SUM + row * splits + s, mask=used, other=0.0)
+        o = tl.load(PART_OUT + (row * splits + s)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+        m_all = tl.max(m, axis=0)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+        total = tl.sum(w * l_s, axis=0)
+        num = tl.sum(w[:, None] * o, axis=0)
+        out = num / tl.where(total > 0.0, total, 1.0)
+        tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty))

@@ -1,0 +1,334 @@
+"""A step that costs what the live sessions need, not what the server could hold.
+
+The engine's streaming state is allocated for every slot at start (admission never fails
+later for memory), but a step runs only the first ``n`` rows of it, ``n`` the smallest
+of a few bucket sizes that covers the highest row with a frame: as vLLM pads a decode
+batch to a captured CUDA-graph size, with one set of graphs per bucket (moshi's
+``CUDAGraphed`` captures one shape and refuses any other).
+
+- **Views, not copies.** A bucket's streaming states are the full states with every
+  per-row tensor narrowed to its first ``n`` rows along that tensor's batch axis, so a
+  step at any bucket reads and writes the one full-size state and changing buckets
+  copies nothing. Two library fields are replaced by new tensors instead of being
+  written in place (a streaming conv's ``first``, ``LMGen``'s ``offsets``); their states
+  get a class whose property writes the new value into the shared tensor.
+- **Rows, not slots.** The frontend's slot numbers never change: the engine maps each
+  slot to a row (``RowMap``), a new session takes the lowest free row, and when the live
+  rows no longer fit the bucket of their count (sessions ended and left holes below the
+  highest) the highest live rows move down into the holes: every per-row tensor of every
+  state (KV rings, Mimi's and the depformer's streaming state, offsets, LMGen's token
+  cache) is copied row to row, so the moved session goes on exactly where it was.
+
+Every state class moshi 0.2.13 and our live modules build is listed in ``_FIELDS`` with
+its per-row tensors and their batch axis; a model with any other state (cross-attention,
+classifier-free guidance's doubled batch) steps its full batch, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from moshi.models.compression import _MimiState
+from moshi.models.lm import _LMGenState
+from moshi.modules.conv import _StreamingConv1dState, _StreamingConvTr1dState
+from moshi.modules.streaming import State, StreamingModule
+from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
+from moshi.utils import compile as moshi_compile
+from moshi.utils.compile import CUDAGraphed
+
+from .live_lm import QuantRing
+
+log = logging.getLogger(__name__)
+
+# Per-row tensors of each state class and their batch axis. Plain ints (``offset_cpu``)
+# stay per view: only weights-per-step layers read them, the depformer's, whose state
+# lives for one LM step.
+_FIELDS: dict[type, tuple[tuple[str, int], ...]] = {
+    State: (),
+    _LayerState: (),
+    _MimiState: (),
+    _TransformerState: (("offsets", 0),),
+    _MHAState: (("offset", 0),),
+    _StreamingConv1dState: (("previous", 0), ("first", 0)),
+    _StreamingConvTr1dState: (("partial", 0),),
+    _LMGenState: (("cache", 0), ("offsets", 0), ("condition_sum", 0), ("condition_cross", 0)),
+}
+_RINGS: dict[type, tuple[tuple[str, int], ...]] = {
+    RingKVCache: (("cache", 1), ("end_offset", 0)),  # cache: [2, B, heads, capacity, dim]
+    QuantRing: (("cache", 1), ("scale", 1)),
+}
+_REASSIGNED = {_StreamingConv1dState: "first", _LMGenState: "offsets"}  # ``state.x = new tensor``
+
+
+class GraphPool:
+    """One CUDA memory pool for the graphs of one function at every bucket size.
+
+    A step replays one bucket's graphs, so the same function's graphs of two buckets
+    never run in the same step, and what one leaves in the pool is read before the next
+    step (a graph's outputs are consumed within its step; its inputs are copies made
+    outside the pool). Sharing the pool, the buckets together hold about what the largest
+    capture needs instead of the sum of all of them (vLLM shares one pool across its
+    decode batch sizes the same way).
+    """
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """moshi's ``CUDAGraphed`` captures with ``cuda.graph(g)``: give it this pool."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        saved = moshi_compile.cuda
+        moshi_compile.cuda = types.SimpleNamespace(  # type: ignore[assignment]
+            CUDAGraph=torch.cuda.CUDAGraph, graph=functools.partial(torch.cuda.graph, pool=self._handle)
+        )
+        try:
+            yield
+        finally:
+            moshi_compile.cuda = saved
+
+
+class PooledGraphed(CUDAGraphed):
+    """moshi's ``CUDAGraphed``, its capture allocating from a shared :class:`GraphPool`."""
+
+    def __init__(self, func: Callable[..., Any], pool: GraphPool, disable: bool = False) -> None:
+        super().__init__(func, disable=disable)
+        self.pool = pool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._graph is not None or self.disable or not torch.cuda.is_available():
+            return super().__call__(*args, **kwargs)
+        with self.pool.capturing():  # the engine thread alone captures: the swap is not seen
+            return super().__call__(*args, **kwargs)
+
+
+class Unbucketable(Exception):
+    """A streaming state whose per-row tensors are not known: step the full batch."""
+
+
+def streaming_modules(*roots: torch.nn.Module) -> list[StreamingModule]:
+    return [m for root in roots for m in root.modules() if isinstance(m, StreamingModule)]
+
+
+def bucket_sizes(rows: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... below ``rows``, then ``rows``: a step pads its
+    rows by at most half, and a 384-row engine captures 17 sets of graphs."""
+    sizes, k = set(), 1
+    while k < rows:
+        sizes.update(x for x in (k, 3 * k // 2) if 0 < x < rows)
+        k *= 2
+    return [*sorted(sizes), rows]
+
+
+class RowMap:
+    """Frontend slot -> row of the batched state, live rows kept low."""
+
+    def __init__(self, rows: int, sizes: Sequence[int]) -> None:
+        self.sizes = np.asarray(sizes)
+        self.row_of = np.full(rows, -1)  # by slot
+        self.slot_of = np.full(rows, -1)  # by row
+        self.reset = np.zeros(rows, dtype=bool)  # rows to reset before they next step
+
+    def open(self, slot: int) -> None:
+        row = self.row_of[slot] if self.row_of[slot] >= 0 else self._take(slot)
+        self.reset[row] = True
+
+    def close(self, slot: int) -> None:
+        row = self.row_of[slot]
+        if row >= 0:
+            self.row_of[slot] = self.slot_of[row] = -1
+            self.reset[row] = False
+
+    def clear(self) -> None:
+        """Every row free and due for a reset (after the warm-up)."""
+        self.row_of[:] = self.slot_of[:] = -1
+        self.reset[:] = True
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        """The rows of ``slots``; a slot stepped without an open takes a row as it is."""
+        rows = self.row_of[slots]
+        if (rows < 0).any():
+            for slot in slots[rows < 0].tolist():
+                self._take(slot)
+            rows = self.row_of[slots]
+        return rows
+
+    def bucket(self, top: int) -> int:
+        """The smallest bucket size that holds ``top`` rows."""
+        return int(self.sizes[np.searchsorted(self.sizes, top)])
+
+    def compaction(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rows to move (to, from) so that the live rows fit the bucket of their count;
+        the map already says where they went."""
+        live = np.flatnonzero(self.slot_of >= 0)
+        if not len(live) or live[-1] < (size := self.bucket(len(live))):
+            return live[:0], live[:0]
+        src = live[live >= size]
+        dst = np.flatnonzero(self.slot_of[:size] < 0)[: len(src)]
+        slots = self.slot_of[src]
+        self.slot_of[dst], self.slot_of[src] = slots, -1
+        self.row_of[slots] = dst
+        self.reset[dst], self.reset[src] = self.reset[src], False
+        return dst, src
+
+    def _take(self, slot: int) -> int:
+        row = int(np.argmax(self.slot_of < 0))  # the lowest free row
+        self.row_of[slot], self.slot_of[row] = row, slot
+        return row
+
+
+class StateViews:
+    """Streaming states of ``modules`` for every bucket size, as views of the full ones."""
+
+    def __init__(self, modules: Iterable[StreamingModule], rows: int, sizes: Sequence[int]) -> None:
+        self.modules = [m for m in modules if m._streaming_state is not None]
+        for module in self.modules:
+            if getattr(module, "cross_attention", False) or getattr(module, "cfg_coef", 1.0) != 1.0:
+                raise Unbucketable(f"{type(module).__name__} with cross-attention or CFG")
+            _write_in_place(module._streaming_state)
+        full = [m._streaming_state for m in self.modules]
+        for state in full:  # every bucket's graphs of one function share one pool
+            for name, value in list(vars(state).items()):
+                if isinstance(value, CUDAGraphed):
+                    setattr(state, name, PooledGraphed(value.func, GraphPool(), value.disable))
+        self.by_size = {n: full if n == rows else [_view(s, rows, n) for s in full] for n in sizes}
+        self.size = rows
+        self.tensors = list({id(t): (t, axis) for s in full for _, _, t, axis in _per_row(s, rows)}.values())
+
+    def use(self, size: int) -> None:
+        """Point every module at its state for ``size`` rows."""
+        if size != self.size:
+            for module, state in zip(self.modules, self.by_size[size], strict=True):
+                module._streaming_state = state
+            self.size = size
+
+    def move(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy rows ``src`` of every per-row tensor into rows ``dst``."""
+        device = self.tensors[0][0].device
+        to, frm = (torch.from_numpy(x).to(device) for x in (dst, src))
+        for tensor, axis in self.tensors:
+            tensor.index_copy_(axis, to, tensor.index_select(axis, frm))
+
+
+class RowBuckets:
+    """The engine's rows: which slot is where, moves, and the states of a step's bucket."""
+
+    def __init__(self, modules: Iterable[StreamingModule], rows: int, sizes: Sequence[int]) -> None:
+        try:
+            self.views = StateViews(modules, rows, sizes)
+        except Unbucketable as exc:
+            log.warning("moshi engine: every step runs all %d rows (%s)", rows, exc)
+            sizes = [rows]
+            self.views = StateViews((), rows, sizes)
+        self.sizes = list(sizes)
+        self.map = RowMap(rows, sizes)
+        self.moves = 0
+
+    def prepare(self, slots: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
+        """Before a step of ``slots``: move live rows down if it pays, point the states at
+        the bucket that holds their rows. Returns the rows, the bucket size, and the
+        mask of the bucket's rows to reset first (None when there are none)."""
+        dst, src = self.map.compaction()
+        if len(src):
+            self.views.move(dst, src)
+            self.moves += len(src)
+        rows = self.map.rows(slots)
+        size = self.map.bucket(int(rows.max()) + 1)
+        self.views.use(size)
+        reset = self.map.reset[:size]
+        if not reset.any():
+            return rows, size, None
+        mask = reset.copy()
+        reset[:] = False
+        return rows, size, mask
+
+
+def _per_row(state: Any, rows: int) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
+    """Each per-row tensor of ``state`` (``rows`` of them): its owner (the state or its
+    ring), its name there, the tensor, its batch axis."""
+    ring = _ring(state)
+    for owner, fields in ((state, _FIELDS[_library_class(state)]), (ring, _ring_fields(ring))):
+        for name, axis in fields:
+            tensor = _get(owner, name)
+            if tensor is not None and tensor.shape[axis] == rows:
+                yield owner, name, tensor, axis
+
+
+def _view(state: Any, rows: int, size: int) -> Any:
+    """``state`` for the first ``size`` rows: per-row tensors narrowed, fresh CUDA graphs."""
+    view = copy.copy(state)
+    view.batch_size = size
+    view.exec_mask = state.exec_mask[:size]  # the engine's one shared mask
+    for name, value in list(vars(view).items()):
+        if isinstance(value, PooledGraphed):
+            setattr(view, name, PooledGraphed(value.func, value.pool, value.disable))
+    view._set_exec_mask_graphed = None
+    if _ring(state) is not None:
+        view.kv_cache = copy.copy(state.kv_cache)
+    for owner, name, tensor, axis in list(_per_row(view, rows)):
+        _set(owner, name, tensor.narrow(axis, 0, size))
+    return view
+
+
+def _library_class(state: Any) -> type:
+    cls = getattr(type(state), "_library_class", type(state))
+    if cls not in _FIELDS:
+        raise Unbucketable(f"unknown streaming state {cls.__name__}")
+    return cls
+
+
+def _ring(state: Any) -> Any:
+    return getattr(state, "kv_cache", None)
+
+
+def _ring_fields(ring: Any) -> tuple[tuple[str, int], ...]:
+    if ring is None:
+        return ()
+    if type(ring) not in _RINGS:
+        raise Unbucketable(f"unknown KV cache {type(ring).__name__}")
+    return _RINGS[type(ring)]
+
+
+def _held(name: str) -> str:
+    return "_held_" + name
+
+
+def _get(owner: Any, name: str) -> Any:
+    return vars(owner).get(_held(name), getattr(owner, name, None))
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    vars(owner)[_held(name) if _held(name) in vars(owner) else name] = value
+
+
+def _write_in_place(state: State) -> None:
+    """Make the library's ``state.x = new_tensor`` write into the tensor the views share."""
+    name = _REASSIGNED.get(type(state))
+    if name is not None:
+        held = vars(state).pop(name)
+        state.__class__ = _in_place_class(type(state), name)
+        vars(state)[_held(name)] = held
+
+
+@functools.cache
+def _in_place_class(cls: type, name: str) -> type:
+    key = _held(name)
+
+    def get(self: Any) -> torch.Tensor:
+        return vars(self)[key]
+
+    def put(self: Any, value: torch.Tensor) -> None:
+        held = vars(self)[key]
+        if value is not held:
+            held.copy_(value)
+
+    return type(cls.__name__, (cls,), {name: property(get, put), "_library_class": cls})

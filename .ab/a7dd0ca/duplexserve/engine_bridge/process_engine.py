@@ -1,0 +1,213 @@
+"""Any engine, run in a process of its own behind the same Engine interface.
+
+Why: a model's step is not all GPU time. Kernel launches, sampling and the library's
+Python bookkeeping hold the GIL, and in the server process they take it away from the
+event loop that moves every session's frames. In a child process they cannot.
+
+How: the bridge's engine thread calls this proxy exactly as it would call the engine.
+Frames go through shared memory (one (slots x 1920) float32 buffer each way, written
+in place, never pickled; the bridge gathers each batch straight into the input buffer);
+a pipe carries only the small commands and each step's text.
+While the child steps, the engine thread waits on the pipe with the GIL released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import multiprocessing as mp
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+from duplexserve.config import ServerConfig
+from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class EngineProcessError(RuntimeError):
+    pass
+
+
+class ProcessEngine(Engine):
+    """Proxy whose ``start()`` spawns a child that builds the configured engine."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        super().__init__(config.max_sessions)
+        self.name = config.engine
+        self._config = dataclasses.replace(config, engine_process=False)
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._shm: list[SharedMemory] = []
+        self._lost = False
+
+    def start(self) -> None:
+        size = self.num_slots * self.frame_samples * 4
+        self._shm = [SharedMemory(create=True, size=size) for _ in range(2)]
+        shape = (self.num_slots, self.frame_samples)
+        self._in = np.ndarray(shape, np.float32, buffer=self._shm[0].buf)
+        self._out = np.ndarray(shape, np.float32, buffer=self._shm[1].buf)
+        self.input_buffer = self._in  # the bridge gathers each batch straight into shared memory
+        ctx = mp.get_context("spawn")  # never fork a process that holds threads (or CUDA)
+        try:
+            parent, child = ctx.Pipe()
+            self._proc = ctx.Process(
+                target=_child_main,
+                args=(child, self._config, [s.name for s in self._shm]),
+                name="duplexserve-engine",
+                daemon=True,
+            )
+            self._proc.start()
+            self._lost = False
+            child.close()
+            self._conn = parent
+            # The child's engine says what input.end takes and whether sessions take prompts.
+            self.tail, self.takes_prompts, self.voices = self._call(("start",))
+        except BaseException:
+            # A refused start (the memory plan, a missing checkpoint) stops the child, which
+            # stops its half-built engine, and unlinks the buffers: a daemon child killed at
+            # exit and buffers left linked were the resource tracker's "leaked" warnings.
+            self.stop()
+            raise
+
+    def _call(self, message: tuple[Any, ...]) -> Any:
+        conn = self._conn
+        if conn is None:
+            raise EngineProcessError("engine process is not running")
+        try:
+            conn.send(message)
+            status, value = conn.recv()  # blocks with the GIL released
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            self._lost = True  # the pipe broke: it is dead even if not yet reaped
+            raise EngineProcessError("engine process died") from exc
+        if status == "prompt_error":
+            raise PromptError(*value)
+        if status != "ok":
+            raise EngineProcessError(value)
+        return value
+
+    def alive(self) -> bool:
+        return not self._lost and self._proc is not None and self._proc.is_alive()
+
+    def open(self, slot: int, params: dict[str, Any]) -> None:
+        self._call(("open", slot, params))
+
+    def close(self, slot: int) -> None:
+        self._call(("close", slot))
+
+    def prompt(self, slot: int, params: dict[str, Any]) -> None:
+        self._call(("prompt", slot, params))
+
+    def prompt_cached(self, params: dict[str, Any]) -> bool:
+        return bool(self._call(("prompt_cached", params)))
+
+    def end_input(self, slot: int, frames: int) -> None:
+        self._call(("end_input", slot, frames))
+
+    def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
+        n = len(slots)
+        if frames.base is not self._in:  # not gathered into the shared buffer already
+            self._in[:n] = frames
+        text, finished = self._call(("step", slots))
+        return StepResult(self._out[:n].copy(), text, finished)
+
+    def stop(self) -> None:
+        try:
+            if self._conn is not None and self._proc is not None and self._proc.is_alive():
+                self._call(("stop",))
+        except EngineProcessError:
+            pass
+        if self._proc is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self.input_buffer = None
+        for shm in self._shm:
+            shm.close()
+            shm.unlink()
+        self._shm = []
+        self._conn = None
+
+
+def _attach(name: str) -> SharedMemory:
+    """Map the parent's buffer. The parent owns and unlinks it; a spawned child shares
+    the parent's resource tracker, so attaching here registers nothing new."""
+    try:
+        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python >= 3.13
+    except TypeError:
+        return SharedMemory(name=name)
+
+
+def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) -> None:
+    """The engine process: build the engine, then serve commands until stop or EOF."""
+    from duplexserve.engine_bridge.factory import build_engine
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
+    shms = [_attach(name) for name in shm_names]
+    shape = (config.max_sessions, 1920)
+    frames_in = np.ndarray(shape, np.float32, buffer=shms[0].buf)
+    frames_out = np.ndarray(shape, np.float32, buffer=shms[1].buf)
+    engine: Engine | None = None
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            kind = message[0]
+            try:
+                if kind == "step":
+                    slots = message[1]
+                    assert engine is not None
+                    result = engine.step(slots, frames_in[: len(slots)])
+                    frames_out[: len(slots)] = result.audio
+                    conn.send(("ok", (result.text, result.finished)))
+                elif kind == "open":
+                    assert engine is not None
+                    engine.open(message[1], message[2])
+                    conn.send(("ok", None))
+                elif kind == "prompt":
+                    assert engine is not None
+                    engine.prompt(message[1], message[2])
+                    conn.send(("ok", None))
+                elif kind == "prompt_cached":
+                    assert engine is not None
+                    conn.send(("ok", engine.prompt_cached(message[1])))
+                elif kind == "close":
+                    assert engine is not None
+                    engine.close(message[1])
+                    conn.send(("ok", None))
+                elif kind == "end_input":
+                    assert engine is not None
+                    engine.end_input(message[1], message[2])
+                    conn.send(("ok", None))
+                elif kind == "start":
+                    engine = build_engine(config)
+                    engine.start()
+                    gc.collect()  # then torch and the model stay out of every later
+                    gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)
+                    conn.send(("ok", (engine.tail, engine.takes_prompts, engine.voices)))
+                elif kind == "stop":
+                    conn.send(("ok", None))
+                    return
+            except PromptError as exc:  # refused, not failed: the parent raises it with its code
+                conn.send(("prompt_error", (exc.code, str(exc))))
+            except Exception:  # the parent raises it where the call was made
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        if engine is not None:
+            try:
+                engine.stop()
+            except Exception:
+                log.exception("engine failed to stop cleanly")
+        del frames_in, frames_out
+        for shm in shms:
+            shm.close()

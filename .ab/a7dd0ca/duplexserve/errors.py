@@ -1,0 +1,26 @@
+"""Stable error codes and the WebSocket close codes of PROTOCOL.md."""
+
+from __future__ import annotations
+
+NORMAL = 1000
+GOING_AWAY = 1001
+UNSUPPORTED_DATA = 1003  # audio the session cannot take
+INVALID_PAYLOAD = 1007  # invalid JSON or event shape
+POLICY = 1008  # authentication or policy
+TOO_BIG = 1009
+INTERNAL = 1011  # engine failure
+TRY_AGAIN = 1013  # server full or draining
+
+
+class SessionError(Exception):
+    """Bad input from a client: becomes an ``error`` event, and a close when fatal."""
+
+    def __init__(self, code: str, message: str, close_code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.close_code = close_code  # None: the session goes on
+
+    @property
+    def fatal(self) -> bool:
+        return self.close_code is not None

@@ -1,0 +1,1 @@
+"""The WebSocket server: protocol adapters, the session core and the orchestrator."""

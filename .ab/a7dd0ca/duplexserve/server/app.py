@@ -1,0 +1,155 @@
+"""The ASGI application: FastAPI for HTTP routes, raw ASGI for the WebSocket protocols.
+
+WebSocket scopes go straight to the protocol adapter, without a framework layer per
+message; everything else (health, readiness, metrics) is an ordinary FastAPI route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Response
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from duplexserve import __version__
+from duplexserve.codecs.procpool import CodecProcesses
+from duplexserve.config import ServerConfig
+from duplexserve.engine_bridge.engine import Engine
+from duplexserve.engine_bridge.factory import build_engine
+from duplexserve.server import gc_pauses, personas
+from duplexserve.server.connection import Connection, Receive, Scope, Send
+from duplexserve.server.metrics import CodecProcessesCollector, Metrics
+from duplexserve.server.moshi_chat import MoshiConnection
+from duplexserve.server.native import NativeConnection
+from duplexserve.server.orchestrator import Orchestrator
+from duplexserve.server.realtime import RealtimeConnection
+from duplexserve.server.session import Limits
+from duplexserve.server.twilio import TwilioConnection
+from duplexserve.server.twilio_wire import TwilioCollector
+from duplexserve.server.webrtc import WebRTCCalls, WebRTCCollector
+
+PROTOCOLS: dict[str, type[Connection]] = {
+    "/v1/duplex": NativeConnection,
+    "/v1/realtime": RealtimeConnection,
+    "/api/chat": MoshiConnection,
+    "/v1/twilio": TwilioConnection,
+}
+# The talk page at / (docs/deploy.md): plain files, no build step.
+STATIC_DIR = Path(__file__).with_name("static")
+
+
+class DuplexApp:
+    #: Set by ``serve``: once started, move every object alive so far (modules, the
+    #: engine, the app) into the collector's permanent generation (``gc.freeze``).
+    #: Sessions allocate objects that outlive a young collection (a frame waiting for a
+    #: codec, buffered output), which triggers full collections; without the freeze each
+    #: one walks the whole heap of FastAPI, numpy and the engine: 14% of the loop's time
+    #: under 100 paced Opus sessions (py-spy). Off for apps built in tests, which come and go.
+    freeze_gc = False
+
+    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
+        config.validate()
+        self.config = config
+        limits = Limits(
+            config.inflight_frames, config.max_pending_frames, config.max_output_frames,
+            max(1, round(config.drain_max_s * 12.5)),  # frames of 80 ms
+        )  # fmt: skip
+        self.orchestrator = Orchestrator(
+            engine or build_engine(config),
+            limits,
+            queue_size=config.queue_size,
+            idle_timeout_s=config.idle_timeout_s,
+            max_session_s=config.max_session_s,
+            max_sessions_per_client=config.max_sessions_per_client,
+            engine_stall_s=config.engine_stall_s,
+            coalesce_ms=config.engine_coalesce_ms,
+            tick_ms=config.engine_tick_ms,
+            resume_grace_s=config.resume_grace_s,
+            max_detached=config.max_detached,
+            late_frame_ms=config.late_frame_ms,
+            engine_factory=None if engine else lambda: build_engine(config),
+        )
+        self.metrics = Metrics(self.orchestrator)
+        self.orchestrator.on_step = self.metrics.observe_step
+        self.orchestrator.on_deliver = self.metrics.observe_delivery
+        self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
+        self.codec_procs = CodecProcesses(
+            config.codec_processes, config.opus_complexity, config.codec_batch_ms
+        )
+        self.metrics.registry.register(CodecProcessesCollector(self.codec_procs.cpu_seconds))
+        self.metrics.registry.register(TwilioCollector())
+        self.webrtc = WebRTCCalls(config, self.orchestrator, self.codec_pool, self.codec_procs)
+        self.metrics.registry.register(WebRTCCollector(self.webrtc))
+        self.http = self._http_app()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        await self.orchestrator.start()
+        if self.freeze_gc:  # after the engine and everything else of the startup exist
+            gc_pauses.freeze()
+        self.metrics.gc_pauses.start()
+        try:
+            yield
+        finally:
+            self.metrics.gc_pauses.stop()
+            await self.orchestrator.stop()
+            await self.webrtc.close()
+            self.codec_pool.shutdown(wait=False, cancel_futures=True)
+            self.codec_procs.close()
+
+    def _http_app(self) -> FastAPI:
+        app = FastAPI(title="duplexserve", version=__version__, lifespan=self._lifespan)
+        orch = self.orchestrator
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok"}
+
+        @app.get("/ready")
+        async def ready(response: Response) -> dict[str, Any]:
+            if not orch.ready:
+                response.status_code = 503
+            return {
+                "ready": orch.ready,
+                "draining": orch.draining,
+                "sessions": orch.active,
+                "max_sessions": orch.engine.num_slots,
+                "engine": orch.engine.name,
+            }
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/", include_in_schema=False)
+        async def index() -> FileResponse:
+            return FileResponse(STATIC_DIR / "index.html")
+
+        app.get("/v1/voices")(personas.voices_route(self.config, orch))  # voice prompts (PersonaPlex)
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+        self.webrtc.add_routes(app)  # POST /v1/realtime/calls, .../hangup, /v1/realtime/client_secrets
+
+        return app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            protocol = PROTOCOLS.get(scope["path"])
+            if protocol is None:
+                await receive()
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await protocol(
+                scope, receive, send, self.orchestrator, self.config, self.codec_pool, self.codec_procs
+            ).run()
+            return
+        await self.http(scope, receive, send)
+
+
+def create_app(config: ServerConfig | None = None, engine: Engine | None = None) -> DuplexApp:
+    return DuplexApp(config or ServerConfig(), engine)

@@ -1,0 +1,57 @@
+"""API keys and browser origins, checked before a session is opened.
+
+A key may come as ``Authorization: Bearer <key>``, as ``?token=<key>`` (for clients
+that cannot set headers), or as a ``openai-insecure-api-key.<key>`` WebSocket
+subprotocol (what browser OpenAI Realtime clients send). Keys are compared in
+constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from typing import Any
+
+SUBPROTOCOL_KEY_PREFIX = "openai-insecure-api-key."
+
+
+def parse_list(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _headers(scope: dict[str, Any]) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def subprotocols(scope: dict[str, Any]) -> list[str]:
+    return list(scope.get("subprotocols") or [])
+
+
+def presented_keys(scope: dict[str, Any], query: dict[str, str]) -> list[str]:
+    keys = []
+    auth = _headers(scope).get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        keys.append(auth[7:].strip())
+    if "token" in query:
+        keys.append(query["token"])
+    prefix = SUBPROTOCOL_KEY_PREFIX
+    keys.extend(p[len(prefix) :] for p in subprotocols(scope) if p.startswith(prefix))
+    return keys
+
+
+def key_ok(scope: dict[str, Any], query: dict[str, str], allowed: Iterable[str]) -> bool:
+    allowed = tuple(allowed)
+    if not allowed:
+        return True
+    found = False
+    for key in presented_keys(scope, query):
+        for good in allowed:  # every comparison runs: no early exit to time
+            found |= hmac.compare_digest(key.encode(), good.encode())
+    return found
+
+
+def origin_ok(scope: dict[str, Any], allowed: Iterable[str]) -> bool:
+    """Browsers always send Origin; other clients usually do not and are let through."""
+    allowed = tuple(allowed)
+    origin = _headers(scope).get("origin")
+    return not allowed or origin is None or origin in allowed or "*" in allowed

@@ -1,0 +1,440 @@
+"""Admission, slots and the flow of frames between sessions and the engine bridge.
+
+Runs on the event-loop thread only. It hands each session's ready frames to the
+bridge, routes every engine step's rows back to their sessions (checking the slot's
+generation), frees slots when sessions close, and sweeps idle sessions once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from duplexserve import errors
+from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
+from duplexserve.engine_bridge.engine import Engine
+from duplexserve.server.personas import Readiness
+from duplexserve.server.resume import ResumeRegistry
+from duplexserve.server.session import Limits, Session, State, no_notify
+from duplexserve.server.turnaround import FrameTimer, TurnaroundTotals
+
+log = logging.getLogger(__name__)
+
+#: How long the loop lets sessions send their answers before it polls its sockets again.
+DISPATCH_SLICE_S = 0.002
+DISPATCH_CHECK_ROWS = 16  # sessions between two looks at the clock
+#: What a session hears when the engine holding its model state failed (PROTOCOL.md, Guarantees).
+_ENGINE_LOST = "the engine failed and restarts: this conversation's model state is lost"
+
+
+@dataclass(slots=True)
+class Counts:
+    sessions_accepted: int = 0
+    sessions_rejected: int = 0
+    sessions_closed: int = 0
+    frames_in: int = 0
+    frames_out: int = 0
+    frames_dropped: int = 0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        engine: Engine,
+        limits: Limits,
+        queue_size: int = 256,
+        idle_timeout_s: float = 30.0,
+        max_session_s: float = 0.0,
+        max_sessions_per_client: int = 0,
+        engine_stall_s: float = 10.0,
+        engine_factory: Callable[[], Engine] | None = None,
+        coalesce_ms: float = 0.0,
+        tick_ms: float = 0.0,
+        resume_grace_s: float = 0.0,
+        max_detached: int = -1,
+        late_frame_ms: float = 200.0,
+    ) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.idle_timeout_s = idle_timeout_s
+        self.max_session_s = max_session_s
+        self.max_sessions_per_client = max_sessions_per_client
+        self.engine_stall_s = engine_stall_s
+        self.engine_factory = engine_factory
+        self.on_step: Callable[[StepOutput], None] | None = None
+        self.on_deliver: Callable[[float, float], None] | None = None
+        self.counts = Counts()
+        self._queue_size = queue_size
+        self._coalesce_s = coalesce_ms / 1000.0
+        self._tick_s = tick_ms / 1000.0
+        self.bridge = self._new_bridge(engine)
+        self.draining = False
+        self._per_client: collections.Counter[str] = collections.Counter()
+        #: Sessions whose next frame found the engine queue full, oldest first.
+        self._waiting: dict[int, Session] = {}
+        self._client_of: dict[int, str] = {}
+        self._free = list(range(engine.num_slots - 1, -1, -1))
+        self._by_slot: list[Session | None] = [None] * engine.num_slots
+        self._generations = itertools.count(1)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.resume = ResumeRegistry(resume_grace_s, self._expire)
+        #: Detached sessions kept at most; past it the one detached longest ends.
+        self.max_detached = max_detached if max_detached >= 0 else max(1, engine.num_slots // 4)
+        self.turnaround = TurnaroundTotals(late_frame_ms / 1000.0)
+        #: Sessions with answers to send, in the order they were touched (:meth:`_on_outputs`).
+        self._touched: dict[int, Session] = {}
+        self._notify_pending = False
+        #: Prompts handed to the engine and not yet answered, by slot (:meth:`run_prompt`).
+        self._prompts: dict[int, asyncio.Future[tuple[str, str] | None]] = {}
+        self.readiness = Readiness()
+
+    def _new_bridge(self, engine: Engine, counts: Any = None) -> EngineBridge:
+        make_bridge = getattr(engine, "make_bridge", None)
+        if make_bridge is not None:  # an engine with sessions and threads of its own (vllm-omni)
+            return make_bridge(self._on_outputs, counts=counts, on_step=self._observe_step)
+        return EngineBridge(
+            engine,
+            self._on_outputs,
+            queue_size=self._queue_size,
+            window=self.limits.inflight_frames,
+            on_step=self._observe_step,
+            counts=counts,
+            coalesce_s=self._coalesce_s,
+            tick_s=self._tick_s,
+            on_deliver=self._observe_delivery,
+        )
+
+    def _observe_delivery(self, pickup_s: float, dispatch_s: float) -> None:
+        if self.on_deliver is not None:
+            self.on_deliver(pickup_s, dispatch_s)
+
+    def _observe_step(self, out: StepOutput) -> None:
+        if self.on_step is not None:
+            self.on_step(out)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.bridge.start()
+        self._sweeper = asyncio.create_task(self._sweep(), name="session-sweeper")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.close_all("server_shutdown", errors.GOING_AWAY)
+        if not self.bridge.abandoned:
+            await self.bridge.stop()
+
+    def close_all(self, reason: str, close_code: int) -> None:
+        for session in self.sessions():
+            self.close(session, reason, close_code)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting; let live sessions end on their own for ``grace_s``, then close them.
+
+        Detached sessions end at once: nobody is there to finish them, and a resume
+        would only be refused by a server that is going away.
+        """
+        self.draining = True
+        for session in self.resume.detached_sessions():
+            self.close(session, "server_shutdown", errors.GOING_AWAY)
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self.close_all("server_shutdown", errors.GOING_AWAY)
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def active(self) -> int:
+        return self.engine.num_slots - len(self._free)
+
+    @property
+    def ready(self) -> bool:
+        return self.bridge.running and not self.draining and self._has_room
+
+    @property
+    def _has_room(self) -> bool:
+        """A slot is free, or one that a detached session holds can be freed for a new one."""
+        return bool(self._free) or self.resume.detached > 0
+
+    def refusal(self, client: str | None) -> tuple[int, str, str] | None:
+        """Why a new session from ``client`` cannot be admitted now, or None.
+
+        Returns (close code, error code, message): 1013 for full, draining or an engine
+        not ready (try again later), 1008 for the per-address policy.
+        """
+        if self.draining:
+            return errors.TRY_AGAIN, "server_unavailable", "server is draining, try again later"
+        if not self.bridge.running:
+            return errors.TRY_AGAIN, "server_unavailable", "engine is not ready, try again later"
+        if not self._has_room:
+            return errors.TRY_AGAIN, "server_unavailable", "server is full, try again later"
+        limit = self.max_sessions_per_client
+        if limit and client and self._per_client[client] >= limit:
+            return errors.POLICY, "too_many_sessions", f"at most {limit} sessions per client address"
+        return None
+
+    def sessions(self) -> list[Session]:
+        return [s for s in self._by_slot if s is not None]
+
+    def open_session(
+        self, params: dict[str, Any] | None = None, client: str | None = None
+    ) -> Session | None:
+        """A new session in a free slot, or None when :meth:`refusal` says why not (1013)."""
+        if self.refusal(client) is not None:
+            self.counts.sessions_rejected += 1
+            return None
+        if not self._free:  # every slot taken, some by detached sessions: the oldest gives way
+            self._evict_oldest_detached()
+        slot = self._free.pop()
+        if client:
+            self._per_client[client] += 1
+            self._client_of[slot] = client
+        session = Session(
+            secrets.token_hex(8), slot, next(self._generations), self.limits, FrameTimer(self.turnaround)
+        )
+        assert self._loop is not None
+        session.started = session.last_activity = self._loop.time()
+        session.completion_grace_s = getattr(self.bridge, "trailing_text_s", 0.0)
+        session.tail = self.engine.tail
+        self._by_slot[slot] = session
+        self.counts.sessions_accepted += 1
+        self.bridge.open(slot, session.generation, params or {})
+        return session
+
+    async def run_prompt(self, session: Session, params: dict[str, Any]) -> tuple[str, str] | None:
+        """Run a new session's prompt (``text_prompt``, ``voice_prompt``) before its first
+        audio; None once the engine ran it, else (PROTOCOL.md's error code, message). A model
+        without prompts and an unknown voice are answered here, without the engine."""
+        engine = self.engine
+        if not engine.takes_prompts:
+            return "prompt_unsupported", "this model takes no prompt; the session goes on without it"
+        voice = params.get("voice_prompt")
+        if voice and voice not in engine.voices:
+            return "voice_not_found", f"voice_prompt {voice!r}: not one of this server's (GET /v1/voices)"
+        assert self._loop is not None
+        done: asyncio.Future[tuple[str, str] | None] = self._loop.create_future()
+        self._prompts[session.slot] = done
+        self.bridge.prompt(
+            session.slot, session.generation, params, lambda outcome: done.done() or done.set_result(outcome)
+        )
+        try:
+            return await done
+        finally:
+            if self._prompts.get(session.slot) is done:
+                del self._prompts[session.slot]
+
+    # --------------------------------------------------------------------- frames
+    def pump(self, session: Session) -> None:
+        """After the session changed: hand its ready frames over, or free its slot."""
+        if session.state is State.CLOSED:
+            self._release(session)
+            return
+        if session.complete_due:  # every frame answered: close once trailing text had its time
+            session.complete_due = False
+            assert self._loop is not None
+            self._loop.call_later(session.completion_grace_s, self._complete, session)
+            return
+        if session.end_due:  # before the first tail frame: the engine marks that frame's index
+            session.end_due = False
+            self.bridge.end_input(session.slot, session.generation, session.frames_in)
+        frames = session.frames_ready()
+        if frames:
+            slot, generation, try_submit = session.slot, session.generation, self.bridge.try_submit
+            for i, frame in enumerate(frames):
+                if not try_submit((slot, generation, frame)):
+                    session.unready(frames[i:])
+                    self._waiting[slot] = session  # pumped again when results come back
+                    return
+
+    def _complete(self, session: Session) -> None:
+        if not session.closed:
+            self.close(session, "completed", errors.NORMAL)
+
+    def close(self, session: Session, reason: str, close_code: int) -> None:
+        session.close(reason, close_code)
+        self._release(session)
+        session.notify()
+
+    # --------------------------------------------------------------------- resume
+    def detach(self, session: Session) -> bool:
+        """The connection of an open session ended: keep the session for a resume.
+
+        False (and the session is closed ``disconnected``) when resume is off, the
+        session is not resumable or the server is draining; False too when keeping it
+        would pass ``max_detached`` with nothing detached before it (``--max-detached 0``).
+        """
+        entry = self.resume.entry_of(session)
+        if session.closed:
+            return False
+        if entry is None or not self.resume.enabled or self.draining:
+            self.close(session, "disconnected", errors.GOING_AWAY)
+            return False
+        assert self._loop is not None
+        session.notify = no_notify
+        self.resume.detach(entry, self._loop)
+        while self.resume.detached > self.max_detached:
+            self._evict_oldest_detached()
+        return not session.closed
+
+    def _evict_oldest_detached(self) -> None:
+        session = self.resume.evict_oldest()
+        if session is not None:
+            log.info("session %s detached longest: evicted (resume_evicted)", session.id)
+            self.close(session, "resume_evicted", errors.GOING_AWAY)
+
+    def _expire(self, session: Session) -> None:
+        self.close(session, "resume_expired", errors.GOING_AWAY)
+
+    def _release(self, session: Session) -> None:
+        if self._by_slot[session.slot] is not session:
+            return
+        self.resume.forget(session)
+        if session.timer is not None:
+            session.timer.flush()
+        self._by_slot[session.slot] = None
+        self._free.append(session.slot)
+        prompt = self._prompts.pop(session.slot, None)
+        if prompt is not None and not prompt.done():  # an abandoned or stopped engine never answers
+            prompt.set_result(("engine_error", "the session ended before its prompt ran"))
+        if not self.bridge.abandoned:
+            self.bridge.close(session.slot, session.generation)
+        client = self._client_of.pop(session.slot, None)
+        if client is not None:
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
+        closed = session.closed_event
+        self.counts.sessions_closed += 1
+        if closed is not None:
+            self.counts.frames_in += closed.frames_in
+            self.counts.frames_out += closed.frames_out
+            self.counts.frames_dropped += closed.frames_dropped
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        """Engine results, on the loop: one call per wake-up, carrying whole steps.
+
+        Every row goes to its session's output queue at once (cheap); the sends, which
+        cost the loop milliseconds for hundreds of sessions, go out in slices of about
+        :data:`DISPATCH_SLICE_S` (:meth:`_notify`), the loop polling its sockets between
+        slices: meanwhile it reads no socket, and a frame that arrives then reaches the
+        engine late (on a step clock, past its tick). A session touched by several steps
+        before its turn still sends once; its answers stay in order either way.
+        """
+        by_slot = self._by_slot
+        touched = self._touched
+        for out in outputs:
+            slots = out.slots.tolist()
+            generations = out.generations.tolist()
+            if out.error is not None:
+                for slot, generation in zip(slots, generations, strict=True):
+                    session = by_slot[slot]
+                    if session is not None and session.generation == generation:
+                        session.error(errors.SessionError(
+                            out.error,
+                            getattr(out, "message", "") or _ENGINE_LOST,
+                            getattr(out, "close_code", errors.INTERNAL),
+                        ))
+                        touched[id(session)] = session
+                continue
+            audio, text = out.audio, out.text
+            finished = set(out.finished) if out.finished else ()
+            for row, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
+                session = by_slot[slot]
+                if session is None or session.generation != generation:
+                    continue  # answer to a session that is gone
+                if audio is None:  # text whose frame already went out (vLLM-Omni)
+                    session.deliver_text(text[row])
+                else:
+                    session.deliver(audio[row], text.get(row) if text else None, row in finished)
+                touched[id(session)] = session
+        if not self._notify_pending:
+            self._notify()
+
+    def _notify(self) -> None:
+        """Let touched sessions send (and take their next frames) for one slice of loop time."""
+        self._notify_pending = False
+        touched = list(self._touched.values())
+        self._touched = {}
+        deadline = time.perf_counter() + DISPATCH_SLICE_S
+        for i, session in enumerate(touched, 1):
+            self.pump(session)
+            session.notify()
+            if not i % DISPATCH_CHECK_ROWS and i < len(touched) and time.perf_counter() > deadline:
+                self._touched = {id(s): s for s in touched[i:]}
+                self._notify_pending = True
+                assert self._loop is not None
+                self._loop.call_soon(self._notify)
+                return
+        self._pump_waiting()
+
+    def _pump_waiting(self) -> None:
+        """Give sessions held back by a full queue their turn, oldest first."""
+        waiting, self._waiting = self._waiting, {}
+        for slot, session in waiting.items():
+            if self._by_slot[slot] is session:
+                self.pump(session)
+                session.notify()
+
+    # ---------------------------------------------------------------------- sweep
+    async def _rebuild_engine(self) -> None:
+        """The engine is stuck in a step: fail every session and start a fresh engine."""
+        stalled = self.bridge
+        lost = self.sessions()
+        log.error(
+            "engine restart (cause: stalled, a step ran over %.1f s): %d sessions lost their model "
+            "state and end with engine_error", self.engine_stall_s, len(lost),
+        )  # fmt: skip
+        stalled.abandon()
+        stalled.counts.sessions_ended_by_restart["stalled"] += len(lost)
+        for session in lost:
+            session.error(errors.SessionError(
+                "engine_error", f"the engine stopped answering; {_ENGINE_LOST}", errors.INTERNAL
+            ))
+            self._release(session)
+            session.notify()
+        if self.engine_factory is None:  # /ready stays 503: the abandoned bridge is not running
+            log.error("no engine factory: the server stays not ready")
+            return
+        try:
+            engine = self.engine_factory()
+            bridge = self._new_bridge(engine, stalled.counts)
+            self.bridge, self.engine = bridge, engine
+            await bridge.start()
+            bridge.counts.engine_restarts += 1
+        except Exception:
+            log.exception("could not start a new engine; the server stays not ready")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self._sweep_once()
+            except Exception:
+                log.exception("session sweep failed")
+
+    async def _sweep_once(self) -> None:
+        self._pump_waiting()  # a safety net: results normally do this at once
+        started = self.bridge.step_started
+        if started and not self.bridge.abandoned and time.monotonic() - started > self.engine_stall_s:
+            await self._rebuild_engine()
+        now = asyncio.get_running_loop().time()
+        for session in self.sessions():
+            if self.max_session_s and now - session.started > self.max_session_s:
+                self.close(session, "max_duration", errors.NORMAL)
+            elif (
+                self.idle_timeout_s
+                and not session.detached  # the resume grace bounds those
+                and session.state in (State.CREATED, State.STREAMING)
+                and session.inflight == 0
+                and not session.input_paused
+                and now - session.last_activity > self.idle_timeout_s
+            ):
+                self.close(session, "idle_timeout", errors.NORMAL)

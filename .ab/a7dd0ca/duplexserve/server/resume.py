@@ -1,0 +1,152 @@
+"""Resume tokens and detached sessions (PROTOCOL.md, "Resuming after a dropped connection").
+
+A session whose connection ends while it is still open is *detached*: it keeps its
+slot and its model state, the engine does not step it (no input arrives, so it hears
+no invented silence), and its answers wait in the session's replay history. A new
+connection that presents the session's current token within ``grace_s`` takes it
+over. Tokens are single-use: every take-over issues a new one, so a token that leaked
+from an old connection cannot steal the session later.
+
+Detached sessions are kept in the order they detached, so that under pressure (a new
+session finds every slot taken, or more than ``--max-detached`` wait) the one detached
+longest is the one that gives way (PROTOCOL.md, "Under pressure").
+
+The registry knows sessions and an opaque ``owner`` (the connection holding the
+session, or None while detached) and ``state`` (what the adapter must carry over, such
+as its resamplers); it knows nothing of sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from duplexserve.server.session import Session
+
+#: 24 random bytes: 192 bits, above the protocol's floor of 128.
+TOKEN_BYTES = 24
+
+
+@dataclass(eq=False)
+class Resumable:
+    """One open, resumable session and what its adapter needs to take it over."""
+
+    session: Session
+    token: str
+    owner: Any  # the connection holding it; None while detached
+    state: Any = None  # adapter state kept across connections (formats, codecs)
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class ResumeCounts:
+    resumed: int = 0
+    expired: int = 0
+    refused: int = 0
+    evicted: int = 0
+
+
+class ResumeRegistry:
+    """Current tokens of open sessions; expiry of the detached ones."""
+
+    def __init__(self, grace_s: float, on_expire: Callable[[Session], None]) -> None:
+        self.grace_s = grace_s
+        self.counts = ResumeCounts()
+        self._on_expire = on_expire
+        self._by_token: dict[str, Resumable] = {}
+        self._by_session: dict[int, Resumable] = {}  # id(session): entry
+        self._detached: dict[Resumable, None] = {}  # in the order they detached
+
+    @property
+    def enabled(self) -> bool:
+        return self.grace_s > 0
+
+    @property
+    def detached(self) -> int:
+        return len(self._detached)
+
+    def detached_sessions(self) -> list[Session]:
+        return [entry.session for entry in self._detached]
+
+    def evict_oldest(self) -> Session | None:
+        """The session detached longest, counted as evicted; the caller closes it (which
+        calls :meth:`forget`, so its token is refused from then on). None if none waits."""
+        entry = next(iter(self._detached), None)
+        if entry is None:
+            return None
+        self.counts.evicted += 1
+        return entry.session
+
+    def issue(self, session: Session, owner: Any, state: Any = None) -> Resumable:
+        """Make ``session`` resumable; its first token."""
+        entry = Resumable(session, secrets.token_urlsafe(TOKEN_BYTES), owner, state)
+        self._by_token[entry.token] = entry
+        self._by_session[id(session)] = entry
+        return entry
+
+    def entry_of(self, session: Session) -> Resumable | None:
+        return self._by_session.get(id(session))
+
+    def detach(self, entry: Resumable, loop: asyncio.AbstractEventLoop) -> None:
+        """The connection is gone; keep the session for ``grace_s``."""
+        entry.owner = None
+        entry.session.detached = True
+        self._detached[entry] = None
+        if entry.expiry is not None:
+            entry.expiry.cancel()
+        entry.expiry = loop.call_later(self.grace_s, self._expire, entry)
+
+    def _expire(self, entry: Resumable) -> None:
+        entry.expiry = None
+        if entry in self._detached:
+            self.counts.expired += 1
+            self._on_expire(entry.session)  # closes the session, which calls forget()
+
+    def peek(self, token: str) -> Resumable | None:
+        """The open session of a live token, without spending it."""
+        entry = self._by_token.get(token)
+        return None if entry is None or entry.session.closed else entry
+
+    def claim(self, token: str) -> Resumable | None:
+        """Take the session of ``token`` over for ``owner``; the token is spent.
+
+        Returns None (counted as refused) for an unknown, used or expired token. The
+        caller must check the entry's previous owner (a half-open connection) itself:
+        ``claim`` returns it in ``entry.owner`` until :meth:`attach`.
+        """
+        entry = self._by_token.pop(token, None)
+        if entry is None or entry.session.closed:
+            self.counts.refused += 1
+            return None
+        if entry.expiry is not None:
+            entry.expiry.cancel()
+            entry.expiry = None
+        self._detached.pop(entry, None)
+        entry.session.detached = False
+        return entry
+
+    def attach(self, entry: Resumable, owner: Any) -> str:
+        """``owner`` now holds the session; its new token."""
+        entry.owner = owner
+        entry.token = secrets.token_urlsafe(TOKEN_BYTES)
+        self._by_token[entry.token] = entry
+        self.counts.resumed += 1
+        return entry.token
+
+    def refuse(self) -> None:
+        self.counts.refused += 1
+
+    def forget(self, session: Session) -> None:
+        """The session ended: its token is dead and it is no longer detached."""
+        entry = self._by_session.pop(id(session), None)
+        if entry is None:
+            return
+        self._by_token.pop(entry.token, None)
+        self._detached.pop(entry, None)
+        if entry.expiry is not None:
+            entry.expiry.cancel()
+            entry.expiry = None
+        entry.owner = entry.state = None

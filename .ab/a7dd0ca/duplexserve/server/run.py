@@ -1,0 +1,163 @@
+"""Run the app under uvicorn (uvloop, httptools, deflate off) with a graceful drain.
+
+uvicorn's own shutdown closes every WebSocket at once with 1012. Ours drains first: on
+SIGTERM (or SIGINT) the server stops admitting (/ready turns 503, new sessions get
+1013), lets live sessions finish for ``--drain-grace-s``, closes the rest with
+``server_shutdown`` and their counts, and only then lets uvicorn exit. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from types import FrameType
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from duplexserve.config import ServerConfig
+from duplexserve.server.app import DuplexApp, create_app
+from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
+
+log = logging.getLogger("duplexserve")
+
+_SECRET = re.compile(r"((?:token|api_key|auth_id|key)=)[^&\s\"']+", re.IGNORECASE)
+
+
+class RedactSecrets(logging.Filter):
+    """uvicorn logs request paths with their query: keep API keys out of the logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args:
+            record.args = tuple(
+                _SECRET.sub(r"\1***", a) if isinstance(a, str) else a
+                for a in (record.args if isinstance(record.args, tuple) else (record.args,))
+            )
+        if isinstance(record.msg, str):
+            record.msg = _SECRET.sub(r"\1***", record.msg)
+        return True
+
+
+#: The most bytes a request may send before its headers are complete (the request line
+#: and headers: an upgrade with its token and cookies needs a few KiB). httptools keeps a
+#: header it has not seen the end of, so without a bound one connection could grow the
+#: server by the megabytes it sends until the handshake timeout.
+MAX_HEAD_BYTES = 64 << 10
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
+def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
+    """An HTTP protocol that drops connections whose request headers do not arrive in time
+    and answers 431 to a request whose head grows past :data:`MAX_HEAD_BYTES`."""
+
+    class Protocol(HttpToolsProtocol):
+        def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+            super().connection_made(transport)
+            self._handshake_timer = self.loop.call_later(timeout_s, self._handshake_expired)
+            self._head_bytes: int | None = 0  # None: between a head's end and the next request
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_bytes is not None:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._head_bytes = None
+                    self._handshake_timer.cancel()
+                    if not self.transport.is_closing():
+                        self.transport.write(_HEAD_TOO_LARGE)
+                        self.transport.close()
+                    return
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            if self._head_bytes is None:  # the next request on a kept-alive connection
+                self._head_bytes = 0
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._handshake_timer.cancel()
+            self._head_bytes = None
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._handshake_timer.cancel()
+            super().connection_lost(exc)
+
+        def _handshake_expired(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: DuplexApp, grace_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.grace_s = grace_s
+        self._draining = False
+        self._drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self.should_exit:
+            super().handle_exit(sig, frame)  # second signal: go now
+            return
+        self._draining = True
+        asyncio.get_event_loop().call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        orch = self.app.orchestrator
+        log.info("draining %d sessions for up to %.0f s", orch.active, self.grace_s)
+        await orch.drain(self.grace_s)
+        await asyncio.sleep(0.5)  # let writers send session.closed and the close frames
+        self.should_exit = True
+
+
+def websocket_protocol(ws: str) -> str | type[FastWebSocketProtocol]:
+    """``--ws fast`` where the installed uvicorn and websockets have what the fast path
+    reads (checked once, here); otherwise uvicorn's own sans-I/O protocol, said once."""
+    if ws != "fast":
+        return ws
+    problem = fast_path_problem()
+    if problem is None:
+        return FastWebSocketProtocol
+    log.warning(
+        "WebSocket fast path off, serving on uvicorn's websockets-sansio protocol: %s "
+        "(the fast path needs uvicorn>=0.53 and websockets>=13; docs/architecture.md)",
+        problem,
+    )
+    return "websockets-sansio"
+
+
+def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http=handshake_limited(config.handshake_timeout_s),
+        ws=websocket_protocol(config.ws),
+        ws_per_message_deflate=False,
+        # A hard backstop above our own limit, which answers with an error event first.
+        ws_max_size=2 * config.max_message_bytes + 1024,
+        lifespan="on",
+        log_level=config.log_level,
+        access_log=False,
+        backlog=4096,
+        timeout_graceful_shutdown=5,
+    )
+
+
+def serve(config: ServerConfig) -> None:
+    redact = RedactSecrets()
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "duplexserve"):
+        logging.getLogger(name).addFilter(redact)
+    app = create_app(config)
+    app.freeze_gc = True
+    DrainingServer(uvicorn_config(config, app), app, config.drain_grace_s).run()

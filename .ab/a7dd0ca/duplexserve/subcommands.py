@@ -1,0 +1,47 @@
+"""Subcommands whose options, and the modules that define them, load only when chosen.
+
+``duplexserve serve`` then imports nothing of the load generator or the benchmarks,
+and ``duplexserve bench moshi-rtf`` on a GPU host imports no other benchmark's needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class LazyParser(argparse.ArgumentParser):
+    """A subcommand's parser; ``define`` adds its options the first time it parses or shows help."""
+
+    def __init__(self, *args: Any, define: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._define = define
+
+    def _defined(self) -> None:
+        define, self._define = self._define, None
+        if define is not None:
+            define(self)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._defined()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._defined()
+        return super().format_help()
+
+
+def from_module(module: str, add: str = "add_arguments") -> Callable[[argparse.ArgumentParser], None]:
+    """A ``define`` that imports ``module``, shows its docstring as the description and calls its ``add``."""
+
+    def define(parser: argparse.ArgumentParser) -> None:
+        loaded = importlib.import_module(module)
+        parser.description = loaded.__doc__
+        getattr(loaded, add)(parser)
+
+    return define
