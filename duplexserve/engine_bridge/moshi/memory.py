@@ -3,10 +3,13 @@
 Each slot holds the LM's ring for the whole context in every layer (K and V, all heads),
 so the ring decides how many sessions one card takes: hibiki-2b-class at 3000 frames is
 0.59 GB a slot in bf16 and 0.30 GB in int8, Moshi 7B 1.57 GB and 0.79 GB. Everything
-else a slot holds (Mimi's conv and transformer state, the depformer's ring, the step's
-activations and CUDA graph pools) came to about 23 MiB a slot on the H200 at 192
-hibiki-2b-class slots (114.9 GiB allocated against 105.5 GiB of ring and 5.0 GiB of
-weights); ``OTHER_PER_SLOT`` allows 32 MiB and ``RESERVE`` 2 GiB for the rest.
+else a slot holds is nearly the same for every shape: Mimi's conv and transformer state
+(its two float32 rings alone 15.6 MiB), the depformer's ring, the step's activations and
+the row buckets' CUDA graph pools. Measured on the H200 as the device memory an engine
+uses once started, less its rings (logged at each start): 16-19 MiB a slot at 32 slots,
+24-25 at 128 and 192, 27.6 at 512, for hibiki-2b, hibiki-2b-class and hibiki-zero-3b in
+bf16 and moshi-7b and hibiki-zero-3b in int8 (docs/benchmarks.md, "Memory a slot").
+``OTHER_PER_SLOT`` allows 32 MiB and ``RESERVE`` 2 GiB for what does not scale.
 """
 
 from __future__ import annotations
