@@ -8,7 +8,7 @@
 #                           8, 32, 128 and 384 slots, hibiki-2b, int8 ring (issue 37)
 #   steps-MODEL[-int8]      step time against batch size ($STEPS_BATCHES, default
 #                           64,128,256,384,512), MODEL as in rtf-MODEL-N
-#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-ctxC][-tickT]
+#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-ctxC][-tickT][-xR]
 #                           paced RTF run, MODEL a preset's name without its dashes (moshi7b,
 #                           hibiki2b, hibikizero3b, hibiki2bclass) or hibiki (hibiki-2b), zero3b
 #                           (hibiki-zero-3b), hibikiclass (hibiki-2b-class); N sessions; engine in its
@@ -17,7 +17,8 @@
 #                           attention (--moshi-mimi-attention stock), Mimi's float32
 #                           matmuls as TF32 (--moshi-fp32-matmul tf32), Mimi's CUDA graphs as
 #                           the library has them (--moshi-mimi-graph parts), LM context C,
-#                           the engine's step clock T ms (default 0: step at once; 80: one frame)
+#                           the engine's step clock T ms (default 0: step at once; 80: one frame),
+#                           R runs one after another on one server start (a line each)
 #   breakdown | attention | agreement | mimi | ring
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
 #                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention)
@@ -93,10 +94,12 @@ for spec in "$@"; do
         [ "$extra" = mimiparts ] && flags+=(--mimi-graph parts)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
         [[ "$extra" == tick* ]] && flags+=(--tick-ms "${extra#tick}")
+        [[ "$extra" == x[0-9]* ]] && flags+=(--runs "${extra#x}")
       done
       python3 -m duplexserve bench moshi-rtf --preset "$preset" --sessions "$n" "${flags[@]}" \
         --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
-      [ -f "$OUT/one.json" ] && { python3 -c "import json,sys; print(json.dumps({'phase': sys.argv[2], **json.load(open(sys.argv[1]))}))" "$OUT/one.json" "$spec" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }
+      [ -f "$OUT/one.json" ] && { python3 -c "import json,sys
+for line in open(sys.argv[1]): print(json.dumps({'phase': sys.argv[2], **json.loads(line)}))" "$OUT/one.json" "$spec" >>"$OUT/rtf.jsonl"; rm "$OUT/one.json"; }
       { echo "=== $spec"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | tail -40; } >>"$OUT/server-logs.txt"
       rm -f "$OUT/server.log.tmp" ;;
   esac

@@ -50,3 +50,28 @@ def test_serve_imports_neither_loadgen_nor_bench():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_moshi_rtf_runs_twice_on_one_server_and_counts_each_run_apart(tmp_path):
+    """``--runs``: one server start, a summary a run, each from its own clients and the
+    server's counters over that run only (the synthetic engine: no GPU)."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rtf.jsonl"
+    argv = ["moshi-rtf", "--synthetic-step-ms", "5", "--sessions", "2", "--seconds", "2", "--runs", "2",
+            "--port", str(port), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "duplexserve", "bench", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (json.loads(line) for line in out.read_text().splitlines())
+    assert first["startup_s"] > 0 and second["startup_s"] == 0
+    for run in (first, second):
+        assert run["complete_sessions"] == 2 and not run["errors"], run
+        assert run["frames"] == 2 * 25  # 2 s of 80 ms frames, each session's own
+        assert run["steps"] >= 25  # at least a step a frame of its 2 s
+    # the server's counters over each run alone: run two is not run one's steps plus its own
+    assert abs(second["steps"] - first["steps"]) <= 10, (first["steps"], second["steps"])

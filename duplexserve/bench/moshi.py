@@ -8,7 +8,8 @@
     rtf    paced RTF run through the real server: start it (engine thread or engine
            process), open N sessions that each stream S seconds of audio in 160 ms
            messages on an absolute wall-clock schedule, and report per-session RTF,
-           frame round trip, frame lateness, server CPU per frame and the step times.
+           frame round trip, frame lateness, server CPU per frame and the step times;
+           ``--runs`` repeats the run on the same server, a summary each.
 
 ``duplexserve bench moshi-steps`` and ``duplexserve bench moshi-rtf``
 (scripts/bench-moshi-h200.sh runs them on the H200).
@@ -383,33 +384,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             except OSError:
                 time.sleep(0.5)
         startup = time.perf_counter() - t
-        before = scrape(port)
-        cpu0, cpu0_children = cpu_seconds(proc.pid)
-        c0 = time.process_time()
-        try:
-            import uvloop
-
-            runner = uvloop.run
-        except ImportError:
-            runner = asyncio.run
-        timeline = Timeline(port)
-        timeline.samples.append(before)
-        timeline.start()
-        wall0 = time.perf_counter()
-        results = runner(
-            run_clients(f"ws://127.0.0.1:{port}/v1/duplex", args.sessions, args.seconds, args.message_ms, 2.0)
-        )
-        wall = time.perf_counter() - wall0
-        timeline.stopped.set()
-        client_cpu = time.process_time() - c0
-        cpu1, cpu1_children = cpu_seconds(proc.pid)
-        after = scrape(port)
-        gpu_mem = ""
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            gpu_mem = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10,
-            ).stdout.strip()  # fmt: skip
+        summaries = [_run_once(args, port, proc.pid, startup if i == 0 else 0.0) for i in range(args.runs)]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -417,6 +392,39 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if args.out:  # one JSON object a run, a line each
+        Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in summaries))
+
+
+def _run_once(args: argparse.Namespace, port: int, pid: int, startup: float) -> dict:
+    """One run of ``args.sessions`` paced sessions against the started server, summarised."""
+    before = scrape(port)
+    cpu0, cpu0_children = cpu_seconds(pid)
+    c0 = time.process_time()
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    timeline = Timeline(port)
+    timeline.samples.append(before)
+    timeline.start()
+    wall0 = time.perf_counter()
+    results = runner(
+        run_clients(f"ws://127.0.0.1:{port}/v1/duplex", args.sessions, args.seconds, args.message_ms, 2.0)
+    )
+    wall = time.perf_counter() - wall0
+    timeline.stopped.set()
+    client_cpu = time.process_time() - c0
+    cpu1, cpu1_children = cpu_seconds(pid)
+    after = scrape(port)
+    gpu_mem = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        gpu_mem = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -509,9 +517,8 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         "late_frames_from_end": _late_from_end(ok, 8),
         "late_frames_by_start_order": _late_by_start(ok, 8),
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary), flush=True)
+    return summary
 
 
 def add_steps_arguments(s: argparse.ArgumentParser) -> None:
@@ -554,6 +561,9 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="serve the synthetic engine stepping this long whatever the batch (no GPU)",
+    )
+    r.add_argument(
+        "--runs", type=int, default=1, help="runs one after another on one server (a JSON line each in --out)"
     )
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")

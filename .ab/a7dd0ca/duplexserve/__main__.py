@@ -1,3 +1,0 @@
-from duplexserve.cli import main
-
-raise SystemExit(main())

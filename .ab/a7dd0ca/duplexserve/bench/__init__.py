@@ -1,1 +1,0 @@
-"""Every benchmark of docs/benchmarks.md, one ``duplexserve bench`` subcommand each, built on loadgen."""

@@ -1,1 +1,0 @@
-"""What this machine and these options give: the serve preflight and ``duplexserve check``."""

@@ -1,1 +1,0 @@
-"""The moshi engine: Kyutai's Mimi + LM batched over fixed slots (torch imported lazily)."""

@@ -1,1 +1,0 @@
-"""The WebSocket server: protocol adapters, the session core and the orchestrator."""
