@@ -126,8 +126,8 @@ def cmd_steps(args: argparse.Namespace) -> None:
                 "gpu_max_allocated_gib": engine._torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                 "gpu_reserved_after_start_gib": reserved,
                 # the device's memory in use once started (the rings' part), a slot beyond the ring
-                "gpu_in_use_mib": [x / 2**20 for x in getattr(engine, "memory_in_use", (0, 0))],
-                "beyond_ring_mib_per_slot": getattr(engine, "memory_beyond_ring", 0.0) / 2**20,
+                "gpu_in_use_mib": [x / 2**20 for x in engine.memory_in_use],
+                "beyond_ring_mib_per_slot": (engine.memory_in_use[0] - engine.memory_in_use[1]) / b / 2**20,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -144,6 +144,7 @@ class MoshiEngine(Engine):
             raise ValueError(f"--moshi-cfg-coef {cfg_coef}: this LM has no conditioning to guide")
         self._steps = np.zeros(num_slots, dtype=np.int64)  # frames stepped since open, per slot
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
+        self.memory_in_use = (0, 0)  # bytes: the device's once started (a GPU's), its rings' part
         self._prompts_since_step = [0, 0]  # new (a forward), cached (a copy)
         self._warming = False  # warm-up's steps compile and capture: slow on purpose, before ready
 
@@ -318,11 +319,10 @@ class MoshiEngine(Engine):
         self._warm_up(self._rows.sizes if graphed else [b])
         if plan is not None:  # what the plan's allowance beyond the ring is measured against
             used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
-            self.memory_in_use = (used, b * plan.kv_per_slot)  # the device's, and the rings'
-            self.memory_beyond_ring = (used - b * plan.kv_per_slot) / b
+            self.memory_in_use = (used, b * plan.kv_per_slot)
             log.info(
                 "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f)",
-                used / 2**30, self.memory_beyond_ring / 2**20, OTHER_PER_SLOT / 2**20,
+                used / 2**30, (used - b * plan.kv_per_slot) / b / 2**20, OTHER_PER_SLOT / 2**20,
             )  # fmt: skip
 
     def _prefix_moves(self, views: Any) -> None:

@@ -15,15 +15,16 @@ the H200, the depformer's 96 another 5.8 ms (docs/benchmarks.md).
 row's held slots once, works out each slot's position from the ring's end, and keeps a
 running softmax per query, for every query head of the KV head's group (grouped KV
 heads: the depformer of Hibiki-Zero). The grid is fixed by the batch, so it replays inside a CUDA
-graph. Measured on the H200 (``bench moshi-step ring``, Mimi's 16 calls in a CUDA graph at 512 rows, full
-ring of 250, data docs/data/released/h200-ring-attention-mimi*.json): SDPA 10.1 ms, the
-products as ``[T, N, D]`` broadcasts 5.7-6.8 ms by tile, one query at a time (``[N, D]``
-products) 2.1 ms at 32 slots and 2 warps, against a 1.9 ms floor of the ring's bytes. The
-broadcast takes 255 registers a thread at 64 slots and 4 warps (ptxas, sm_90a), two programs
-an SM, so it had little of the ring in flight; one query at a time takes 80 at 32/4. So a
-ring of 32 slots or more (Mimi's) is read one query at a time, 32 slots and 2 warps; a
-shorter one (the depformer's 8) keeps the broadcast, a tile as long as the ring, where the
-product is small. ``tl.dot``'s in float32 were no faster than the broadcast at any tile.
+graph. Measured on the H200 (``bench moshi-step ring``, Mimi's 16 calls in a CUDA graph at
+512 rows, full ring of 250, data docs/data/released/h200-ring-attention-mimi*.json): SDPA
+10.1 ms, the products as ``[T, N, D]`` broadcasts 5.7-6.8 ms by tile, one query at a time
+(``[N, D]`` products) 2.1 ms at 32 slots and 2 warps, against a 1.9 ms floor of the ring's
+bytes. The broadcast takes 255 registers a thread at 64 slots and 4 warps (ptxas, sm_90a),
+two programs an SM, so it had little of the ring in flight; one query at a time takes 80 at
+32/4. So a ring of 32 slots or more (Mimi's) is read one query at a time, 32 slots and 2
+warps; a shorter one (the depformer's 8) keeps the broadcast, a tile as long as the ring,
+where the product is small. ``tl.dot``'s in float32 were no faster than the broadcast at
+any tile.
 ``reference`` is the same computation in plain torch, for the tests.
 """
 
