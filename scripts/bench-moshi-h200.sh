@@ -11,7 +11,8 @@
 #   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-ctxC][-tickT][-xR]
 #                           paced RTF run, MODEL a preset's name without its dashes (moshi7b,
 #                           hibiki2b, hibikizero3b, hibiki2bclass) or hibiki (hibiki-2b), zero3b
-#                           (hibiki-zero-3b), hibikiclass (hibiki-2b-class); N sessions; engine in its
+#                           (hibiki-zero-3b), hibikiclass (hibiki-2b-class); N sessions (N,M,...:
+#                           each count in turn on one server start of the largest); engine in its
 #                           own process, moshi's stock attention, 8-bit KV, the depformer's
 #                           stock attention (--moshi-depformer stock), Mimi's stock
 #                           attention (--moshi-mimi-attention stock), Mimi's float32

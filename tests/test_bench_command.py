@@ -27,7 +27,8 @@ def test_each_benchmark_keeps_its_own_options():
     args = parse("vllm-side-by-side", "run", "--reps", "1")
     assert (args.part, args.reps, args.out) == ("run", 1, "bench-out/vllm-omni")
     args = parse("moshi-rtf", "--sessions", "192", "--engine-process")
-    assert (args.sessions, args.engine_process, args.preset) == (192, True, "hibiki-2b-class")
+    assert (args.sessions, args.engine_process, args.preset) == ([192], True, "hibiki-2b-class")
+    assert parse("moshi-rtf", "--sessions", "384,448").sessions == [384, 448]
     assert parse("codec-costs", "--opus-encoders").opus_encoders
 
 
@@ -52,9 +53,9 @@ def test_serve_imports_neither_loadgen_nor_bench():
     assert done.stdout.strip() == "[]"
 
 
-def test_moshi_rtf_runs_twice_on_one_server_and_counts_each_run_apart(tmp_path):
-    """``--runs``: one server start, a summary a run, each from its own clients and the
-    server's counters over that run only (the synthetic engine: no GPU)."""
+def test_moshi_rtf_runs_each_count_twice_on_one_server_and_counts_each_run_apart(tmp_path):
+    """``--sessions 1,2 --runs 2``: one server start (of 2 slots), a summary a run, each from
+    its own clients and the server's counters over that run only (the synthetic engine)."""
     import json
     import socket
 
@@ -62,16 +63,18 @@ def test_moshi_rtf_runs_twice_on_one_server_and_counts_each_run_apart(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "rtf.jsonl"
-    argv = ["moshi-rtf", "--synthetic-step-ms", "5", "--sessions", "2", "--seconds", "2", "--runs", "2",
+    argv = ["moshi-rtf", "--synthetic-step-ms", "5", "--sessions", "1,2", "--seconds", "2", "--runs", "2",
             "--port", str(port), "--out", str(out)]  # fmt: skip
     cmd = [sys.executable, "-m", "duplexserve", "bench", *argv]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    first, second = (json.loads(line) for line in out.read_text().splitlines())
-    assert first["startup_s"] > 0 and second["startup_s"] == 0
-    for run in (first, second):
-        assert run["complete_sessions"] == 2 and not run["errors"], run
-        assert run["frames"] == 2 * 25  # 2 s of 80 ms frames, each session's own
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [run["sessions"] for run in runs] == [1, 1, 2, 2]
+    assert runs[0]["startup_s"] > 0 and all(run["startup_s"] == 0 for run in runs[1:])
+    for run in runs:
+        assert run["complete_sessions"] == run["sessions"] and not run["errors"], run
+        assert run["frames"] == run["sessions"] * 25  # 2 s of 80 ms frames, each session's own
         assert run["steps"] >= 25  # at least a step a frame of its 2 s
-    # the server's counters over each run alone: run two is not run one's steps plus its own
-    assert abs(second["steps"] - first["steps"]) <= 10, (first["steps"], second["steps"])
+    # the server's counters over each run alone: a run is not the one before plus its own
+    for a, b in (runs[:2], runs[2:]):
+        assert abs(a["steps"] - b["steps"]) <= 10, (a["steps"], b["steps"])

@@ -9,7 +9,8 @@
            process), open N sessions that each stream S seconds of audio in 160 ms
            messages on an absolute wall-clock schedule, and report per-session RTF,
            frame round trip, frame lateness, server CPU per frame and the step times;
-           ``--runs`` repeats the run on the same server, a summary each.
+           ``--runs`` repeats the run and ``--sessions`` may list several counts,
+           all on the same server (its slots the largest count), a summary each.
 
 ``duplexserve bench moshi-steps`` and ``duplexserve bench moshi-rtf``
 (scripts/bench-moshi-h200.sh runs them on the H200).
@@ -357,7 +358,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
     port = args.port
     server_cmd = [
         sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
-        "--max-sessions", str(args.sessions), "--log-level", "info",
+        "--max-sessions", str(max(args.sessions)), "--log-level", "info",
         "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
         "--engine-tick-ms", str(args.tick_ms),
     ]  # fmt: skip
@@ -384,7 +385,10 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             except OSError:
                 time.sleep(0.5)
         startup = time.perf_counter() - t
-        summaries = [_run_once(args, port, proc.pid, startup if i == 0 else 0.0) for i in range(args.runs)]
+        summaries = []
+        for sessions in args.sessions:  # each count R times, all on this one server
+            for _ in range(args.runs):
+                summaries.append(_run_once(args, sessions, port, proc.pid, 0.0 if summaries else startup))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -396,8 +400,8 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in summaries))
 
 
-def _run_once(args: argparse.Namespace, port: int, pid: int, startup: float) -> dict:
-    """One run of ``args.sessions`` paced sessions against the started server, summarised."""
+def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, startup: float) -> dict:
+    """One run of ``sessions`` paced sessions against the started server, summarised."""
     before = scrape(port)
     cpu0, cpu0_children = cpu_seconds(pid)
     c0 = time.process_time()
@@ -412,7 +416,7 @@ def _run_once(args: argparse.Namespace, port: int, pid: int, startup: float) -> 
     timeline.start()
     wall0 = time.perf_counter()
     results = runner(
-        run_clients(f"ws://127.0.0.1:{port}/v1/duplex", args.sessions, args.seconds, args.message_ms, 2.0)
+        run_clients(f"ws://127.0.0.1:{port}/v1/duplex", sessions, args.seconds, args.message_ms, 2.0)
     )
     wall = time.perf_counter() - wall0
     timeline.stopped.set()
@@ -438,7 +442,7 @@ def _run_once(args: argparse.Namespace, port: int, pid: int, startup: float) -> 
     steps = delta("duplexserve_engine_step_seconds_count")
     summary = {
         "preset": f"synthetic-{args.synthetic_step_ms:g}ms" if args.synthetic_step_ms else args.preset,
-        "sessions": args.sessions,
+        "sessions": sessions,
         "engine": "process" if args.engine_process else "thread",
         "context": args.context or "preset",
         "attention": args.attention,
@@ -539,7 +543,12 @@ def add_steps_arguments(s: argparse.ArgumentParser) -> None:
 
 def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--preset", default="hibiki-2b-class")
-    r.add_argument("--sessions", type=int, default=64)
+    r.add_argument(
+        "--sessions",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[64],
+        help="sessions of a run, or a comma list: each count's runs in turn on one server of the largest",
+    )
     r.add_argument("--seconds", type=float, default=60.0)
     r.add_argument("--message-ms", type=int, default=160)
     r.add_argument("--engine-process", action="store_true")
