@@ -106,13 +106,14 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
     slots = np.arange(batch)
     frames = (np.random.default_rng(0).standard_normal((batch, FRAME)) * 0.05).astype(np.float32)
     state = engine.lm_gen._streaming_state
+    mimi = engine._mimi_fns[batch]  # what a step of every row calls: its bucket's encode, decode
     parts = {
-        "mimi_encode": _Timed(torch, engine.mimi.encode),
+        "mimi_encode": _Timed(torch, mimi[0]),
         "main_graph": _Timed(torch, state.graphed_main),
         "depformer": _Timed(torch, state.graphed_depth),
-        "mimi_decode": _Timed(torch, engine.mimi.decode),
+        "mimi_decode": _Timed(torch, mimi[1]),
     }
-    engine.mimi.encode, engine.mimi.decode = parts["mimi_encode"], parts["mimi_decode"]
+    engine._mimi_fns[batch] = parts["mimi_encode"], parts["mimi_decode"]
     state.graphed_main, state.graphed_depth = parts["main_graph"], parts["depformer"]
     whole = _Timed(torch, engine.step)
     try:
@@ -145,7 +146,7 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
             for k in sorted(kernels, key=lambda k: -k.self_device_time_total)[:12]
         ]
     finally:
-        engine.mimi.encode, engine.mimi.decode = parts["mimi_encode"].fn, parts["mimi_decode"].fn
+        engine._mimi_fns[batch] = mimi
         state.graphed_main, state.graphed_depth = parts["main_graph"].fn, parts["depformer"].fn
     live = min(age + 1, engine.lm_gen.lm_model.transformer.layers[0].self_attn.context)
     row.update(batch=batch, age=age, kv_floor_live=_kv_floor_ms(engine, batch, live))
