@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> None:
         allocator = _allocator(torch, engine.device)
         profiler = _profiler(torch) if args.profile else contextlib.nullcontext()
         waits: list[str] = []
-        with profiler as prof, _host_waits(torch, waits, on=bool(args.profile)):
+        with profiler as prof, host_waits(torch, waits, on=bool(args.profile)):
             _prompt_round(engine, prompts, live, slots, frames, timed, sync)
         if args.profile:
             head = f"# {args.preset} {args.kv_dtype}, {live} live: {2 * len(prompts)} prompt calls"
@@ -213,7 +213,7 @@ def _inside(prof: Any, label: str, rows: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def _host_waits(torch: Any, waits: list[str], on: bool) -> Iterator[None]:
+def host_waits(torch: Any, waits: list[str], on: bool) -> Iterator[None]:
     """Where the engine thread waits for the GPU (CUDA's sync debug mode warns at each such
     call; the warning's Python stack goes into ``waits``)."""
     if not on or not torch.cuda.is_available():

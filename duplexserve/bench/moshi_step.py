@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from duplexserve.bench.moshi_prompt import host_waits
+
 FRAME = 1920
 HBM_BYTES_PER_S = 4.4e12  # copy bandwidth measured on the H200 (reference/moshi_step.md)
 
@@ -145,6 +147,12 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
             (k.key[:80], round(k.self_device_time_total / 1000 / 5, 3), k.count // 5)
             for k in sorted(kernels, key=lambda k: -k.self_device_time_total)[:12]
         ]
+        waits: list[str] = []  # where the step's thread waits for the GPU (CUDA's sync debug mode)
+        with host_waits(torch, waits, on=True):
+            for _ in range(2):
+                whole(slots, frames)
+        whole.take_ms()
+        row["host_waits"] = sorted(set(waits))
     finally:
         engine._mimi_fns[batch] = mimi
         state.graphed_main, state.graphed_depth = parts["main_graph"].fn, parts["depformer"].fn
@@ -197,8 +205,9 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     **breakdown(engine, b, age, args.steps),
                 }
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "host_waits")}))
         print(json.dumps(rows[-1]["top_kernels"]), flush=True)
+        print("where a step waits for the GPU:", *rows[-1]["host_waits"] or ["nowhere"], sep="\n")
         engine.stop()
         del engine
         gc.collect()
