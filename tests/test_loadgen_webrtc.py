@@ -172,3 +172,35 @@ def test_the_replay_predicts_what_the_client_decodes():
     silence = np.zeros(1920, np.float32)
     after = np.concatenate([client.decode(p) for p in server_out.encode(silence)])
     assert replay.answer(silence.tobytes()) == after.astype("<f4").tobytes()
+
+
+def test_impairment_takes_rtp_packets_only_and_lets_rtcp_through():
+    """aiortc sends RTCP through the same transport call as RTP: a dropped sender report
+    would have been counted as an audio packet lost (and left no gap to conceal)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket, RtpPacket
+
+    from duplexserve.loadgen.drivers.webrtc import impair
+
+    async def main() -> tuple[list[bytes], dict[str, int], list[int], bytes]:
+        passed: list[bytes] = []
+
+        async def send_rtp(data: bytes) -> None:
+            passed.append(data)
+
+        sender = SimpleNamespace(transport=SimpleNamespace(_send_rtp=send_rtp))
+        dropped_at: list[int] = []
+        counts = impair(sender, loss=1.0, jitter_ms=0, dropped_at=dropped_at)
+        report = bytes(RtcpSrPacket(ssrc=1, sender_info=RtcpSenderInfo(
+            ntp_timestamp=0, rtp_timestamp=0, packet_count=0, octet_count=0)))  # fmt: skip
+        for seq in range(3):
+            audio = RtpPacket(payload_type=111, sequence_number=seq, payload=b"x").serialize()
+            await sender.transport._send_rtp(audio)
+            await sender.transport._send_rtp(report)
+        return passed, counts, dropped_at, report
+
+    passed, counts, dropped_at, report = asyncio.run(main())
+    assert counts == {"sent": 3, "dropped": 3} and dropped_at == [0, 1, 2]  # the RTP packets' places
+    assert passed == [report] * 3  # every sender report sent, none counted

@@ -85,7 +85,9 @@ def impair(
     ``lossy(place)`` says which packets loss may take (None: every one).
 
     It wraps the DTLS transport's ``_send_rtp`` (before SRTP), so a dropped packet leaves
-    a gap in the sequence numbers, as one lost on the way would."""
+    a gap in the sequence numbers, as one lost on the way would. aiortc sends its RTCP
+    (sender reports, about one a second) through the same call: those pass untouched and
+    uncounted, or a dropped report would be counted as an audio packet lost."""
     rng = random.Random(seed)
     transport = sender.transport
     original = transport._send_rtp
@@ -93,6 +95,9 @@ def impair(
     loop = asyncio.get_running_loop()
 
     async def send(data: bytes) -> None:
+        if _is_rtcp(data):
+            await original(data)
+            return
         counts["sent"] += 1
         if rng.random() < loss and (lossy is None or lossy(counts["sent"] - 1)):
             counts["dropped"] += 1
@@ -107,6 +112,11 @@ def impair(
 
     transport._send_rtp = send
     return counts
+
+
+def _is_rtcp(data: bytes) -> bool:
+    """RTCP multiplexed with RTP (RFC 5761): the second byte is an RTCP packet type, 192-223."""
+    return len(data) >= 2 and 192 <= data[1] <= 223
 
 
 async def _quiet(coro: Any) -> None:
