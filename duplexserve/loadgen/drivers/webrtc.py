@@ -88,6 +88,8 @@ def impair(
     a gap in the sequence numbers, as one lost on the way would. aiortc sends its RTCP
     (sender reports, about one a second) through the same call: those pass untouched and
     uncounted, or a dropped report would be counted as an audio packet lost."""
+    from aiortc.rtp import is_rtcp  # what the transport itself tells RTCP by (SRTCP, not SRTP)
+
     rng = random.Random(seed)
     transport = sender.transport
     original = transport._send_rtp
@@ -95,7 +97,7 @@ def impair(
     loop = asyncio.get_running_loop()
 
     async def send(data: bytes) -> None:
-        if _is_rtcp(data):
+        if is_rtcp(data):
             await original(data)
             return
         counts["sent"] += 1
@@ -112,11 +114,6 @@ def impair(
 
     transport._send_rtp = send
     return counts
-
-
-def _is_rtcp(data: bytes) -> bool:
-    """RTCP multiplexed with RTP (RFC 5761): the second byte is an RTCP packet type, 192-223."""
-    return len(data) >= 2 and 192 <= data[1] <= 223
 
 
 async def _quiet(coro: Any) -> None:
