@@ -136,6 +136,26 @@ def test_the_plan_on_a_gpu():
     assert report(AUTO_SESSIONS, 2.5)[1][0].what == "--max-sessions auto: no slot fits on GPU 0"
 
 
+def test_a_prompted_models_plan_counts_its_prompt_cache_and_prefill_row():
+    """PersonaPlex's engine holds its prompt cache and the prefill's scratch row (one slot's ring)
+    whatever the slot count, and its plan counts them: check and ``--max-sessions auto`` count them
+    too, or auto would pick slots that the engine then refuses at start."""
+    import torch
+
+    config = ServerConfig(engine="moshi", device="cuda", moshi_preset="tiny-personaplex",
+                          max_sessions=AUTO_SESSIONS, prompt_cache_mb=256)
+    model = resolve_model(config)
+    weights = weight_bytes(model, "bfloat16").total
+    kv = kv_per_slot(config, model, "bfloat16")
+    lines: dict[str, str] = {}
+    machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, 4 * GIB)])
+    assert memory_plan(config, model, machine, True, lines.__setitem__) == []
+    fixed = 256 * 2**20 + kv
+    auto = (4 * GIB - weights - RESERVE - LOAD_SLACK - fixed) // (kv + OTHER_PER_SLOT)
+    assert lines["auto"].startswith(f"--max-sessions auto would pick {auto} (")
+    assert f"+ {fixed / GIB:.2f} GiB prompt cache and prefill row" in lines["memory"]
+
+
 def test_a_checkpoint_on_disk(server_factory, tmp_path):
     """check reads its config.json with moshi's loaders; serve reads it in a child process, then starts."""
     from tests.test_moshi_checkpoints import write_checkpoint

@@ -19,7 +19,8 @@ from typing import Any
 
 from duplexserve.check.model import Model
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
-from duplexserve.engine_bridge.moshi.memory import MemoryPlan, kv_bytes_per_slot
+from duplexserve.engine_bridge.moshi.families import get_family
+from duplexserve.engine_bridge.moshi.memory import MemoryPlan, fixed_bytes, kv_bytes_per_slot
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 #: What loading leaves on the GPU beyond the weights (the allocator's rounding of a thousand
@@ -79,7 +80,9 @@ def plan(config: ServerConfig, model: Model, free: int, on_gpu: bool) -> tuple[W
     dtype = lm_dtype(config, on_gpu)
     weights = weight_bytes(model, dtype)
     label = "int8" if config.moshi_kv_dtype == "int8" and config.moshi_attention == "live" else dtype
-    memory = MemoryPlan(config.max_sessions, label, kv_per_slot(config, model, dtype), free - weights.total)
+    kv = kv_per_slot(config, model, dtype)
+    fixed = fixed_bytes(get_family(model.model_type).prompted, config.prompt_cache_mb * 2**20, kv)
+    memory = MemoryPlan(config.max_sessions, label, kv, free - weights.total, fixed)
     if config.max_sessions == AUTO_SESSIONS:
         memory = dataclasses.replace(memory, slots=auto_slots(memory))
     return weights, memory

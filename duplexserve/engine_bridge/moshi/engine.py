@@ -37,7 +37,7 @@ from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.families import get_family
-from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, MemoryPlan, kv_bytes_per_slot
+from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, MemoryPlan, fixed_bytes, kv_bytes_per_slot
 from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
 from duplexserve.engine_bridge.moshi.prompts import (
     Prompt,
@@ -319,10 +319,11 @@ class MoshiEngine(Engine):
         self._warm_up(self._rows.sizes if graphed else [b])
         if plan is not None:  # what the plan's allowance beyond the ring is measured against
             used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
-            self.memory_in_use = (used, b * plan.kv_per_slot)
+            rings = (b + self.family.prompted) * plan.kv_per_slot  # the prefill's scratch row has one
+            self.memory_in_use = (used, rings)
             log.info(
                 "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f)",
-                used / 2**30, (used - b * plan.kv_per_slot) / b / 2**20, OTHER_PER_SLOT / 2**20,
+                used / 2**30, (used - rings) / b / 2**20, OTHER_PER_SLOT / 2**20,
             )  # fmt: skip
 
     def _prefix_moves(self, views: Any) -> None:
@@ -412,7 +413,7 @@ class MoshiEngine(Engine):
             attention.kv_repeat, branches=1 if self.cfg_coef == 1.0 else 2,
         )  # fmt: skip
         self._torch.cuda.empty_cache()  # what loading left in torch's cache is free for the ring
-        fixed = self.prompt_cache_bytes + kv if self.family.prompted else 0  # and the prefill's row
+        fixed = fixed_bytes(self.family.prompted, self.prompt_cache_bytes, kv)
         return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0], fixed)
 
     def resize(self, num_slots: int) -> None:

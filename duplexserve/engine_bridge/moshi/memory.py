@@ -28,7 +28,7 @@ class MemoryPlan:
     kv_dtype: str
     kv_per_slot: int  # bytes of LM ring per slot
     free: int  # bytes free on the device once the weights are loaded
-    fixed: int = 0  # bytes held whatever the slot count (the prompt cache)
+    fixed: int = 0  # bytes held whatever the slot count (``fixed_bytes``)
 
     @property
     def per_slot(self) -> int:
@@ -47,7 +47,7 @@ class MemoryPlan:
             f"{self.slots} slots x {self.per_slot / GIB:.2f} GiB ({self.kv_dtype} KV ring "
             f"{self.kv_per_slot / GIB:.2f} GiB + {OTHER_PER_SLOT / 2**20:.0f} MiB other) + "
             f"{RESERVE / GIB:.0f} GiB reserve"
-            + (f" + {self.fixed / GIB:.2f} GiB prompt cache" if self.fixed else "")
+            + (f" + {self.fixed / GIB:.2f} GiB prompt cache and prefill row" if self.fixed else "")
             + f" = {self.needed / GIB:.1f} GiB "
             f"of {self.free / GIB:.1f} GiB free; at most {self.max_slots} slots fit"
         )
@@ -59,6 +59,12 @@ class MemoryPlan:
                 f"--max-sessions {self.slots} does not fit: {self.describe()}; lower --max-sessions, "
                 "shorten --moshi-context or use --moshi-kv-dtype int8"
             )
+
+
+def fixed_bytes(prompted: bool, prompt_cache_bytes: int, kv_per_slot: int) -> int:
+    """What a prompted family (PersonaPlex) holds whatever the slot count: the prompt cache
+    (``--prompt-cache-mb``) and the prefill's scratch row, one slot's ring (prefill.py)."""
+    return prompt_cache_bytes + kv_per_slot if prompted else 0
 
 
 def kv_bytes_per_slot(
