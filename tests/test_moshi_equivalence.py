@@ -276,7 +276,7 @@ KERNEL_CHECK = textwrap.dedent(
         ref = reference_attention(q.float(), deq[0], deq[1], mask)
         ref[lengths == 0] = 0.0
         for mode in ("cast", "bits"):  # a conversion a byte, or the word read: the same floats
-            config = KernelConfig(int8=mode)
+            config = KernelConfig(read=mode)
             got = live_attention(q, ring8[0], ring8[1], lengths, (scale[0], scale[1]), config).float()
             err = (got - ref).abs().max().item()
             assert err < tol, (dtype, group, mode, err)

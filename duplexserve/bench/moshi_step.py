@@ -167,12 +167,15 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from duplexserve.engine_bridge.moshi import live_attention
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine
-    from duplexserve.engine_bridge.moshi.live_attention import DEFAULT_INT8, KernelConfig
+    from duplexserve.engine_bridge.moshi.live_attention import KernelConfig
 
     batches = [int(b) for b in args.batches.split(",")]
     ages = [int(a) for a in args.ages.split(",")]
     rows = []
-    kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [DEFAULT_INT8]
+    default = "DEFAULT_INT8" if args.kv_dtype == "int8" else "DEFAULT"  # the ring's kernel configuration
+    kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [
+        getattr(live_attention, default)
+    ]
     builds = [
         (a, d, m, f, g, k)
         for a in args.attention.split(",")
@@ -183,7 +186,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         for k in kernels
     ]
     for attention, depformer, mimi_attention, fp32_matmul, mimi_graph, kernel in builds:
-        live_attention.DEFAULT_INT8 = kernel  # read when the CUDA graphs are captured
+        setattr(live_attention, default, kernel)  # read when the CUDA graphs are captured
         engine = MoshiEngine(
             batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
             depformer=depformer, mimi_attention=mimi_attention, fp32_matmul=fp32_matmul,
@@ -201,7 +204,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "mimi_attention": mimi_attention,
                     "fp32_matmul": fp32_matmul,
                     "mimi_graph": mimi_graph,
-                    "int8_kernel": str(kernel),
+                    "kernel": str(kernel),
                     **breakdown(engine, b, age, args.steps),
                 }
                 rows.append(row)
@@ -627,7 +630,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--kernels", default="",
             help="chunk/block/warps/stages[/int8],...: attention's configurations (default 256/32/2/3), "
-            "breakdown's int8 kernels, one engine each (default the engine's)",
+            "breakdown's attention kernels (the --kv-dtype ring's), one engine each (default the engine's)",
         )  # fmt: skip
         p.add_argument(
             "--tiles", default="64/4,32/4,16/4,64/4/rows,64/8/rows,32/4/rows,32/2/rows,16/4/rows,16/2/rows",

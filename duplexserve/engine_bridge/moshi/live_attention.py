@@ -14,7 +14,8 @@ its grid is fixed by the capacity, so it replays inside a CUDA graph, and chunks
 row's length cost one load of the length. An int8 ring (``--moshi-kv-dtype int8``) is
 read as int32 words, each byte made a float without a conversion instruction
 (``_partials_int8``; ``_partials_int8_mma`` takes ``q . k`` and ``p . v`` to the tensor
-cores), and written by one kernel a layer (``write_quantized``). Anywhere
+cores), and written by one kernel a layer (``write_quantized``); a bf16 ring can take its
+products to the tensor cores too (``_partials_mma``, ``KernelConfig.read == "mma"``). Anywhere
 else (the CPU, no Triton) the same prefix goes to ``scaled_dot_product_attention`` as a
 boolean mask of moshi's own shape, which gives moshi's results bit for bit.
 
@@ -44,34 +45,35 @@ except ImportError:  # pragma: no cover - depends on the install
 @dataclass(frozen=True)
 class KernelConfig:
     """Split size and tile shape of the partials kernel (chosen by measurement on an H200),
-    and for an int8 ring how its bytes become floats (see ``_partials_int8``)."""
+    and how it reads the ring and takes its products (``read``)."""
 
     chunk: int = 256  # keys per program: at capacity 3000 a row is at most 12 programs
     block_n: int = 32  # keys loaded per iteration of a program
     warps: int = 2
     stages: int = 3
-    # "cast": int8 -> float32 a byte (the bf16 kernel's loop); "bits": ``_byte``; "mma": ``_byte``
-    # and the tensor cores (``_partials_int8_mma``)
-    int8: str = "cast"
+    # "cast": products as float32 broadcasts (an int8 ring: a conversion a byte); "bits": an int8
+    # ring's bytes made floats by ``_byte`` (a bf16 ring: as "cast"); "mma": the tensor cores (bf16:
+    # ``_partials_mma``; int8: ``_byte`` and ``_partials_int8_mma``)
+    read: str = "cast"
 
     def __post_init__(self) -> None:
-        if self.int8 not in ("cast", "bits", "mma"):
-            raise ValueError(f"int8 read {self.int8!r}: cast, bits or mma")
+        if self.read not in ("cast", "bits", "mma"):
+            raise ValueError(f"ring read {self.read!r}: cast, bits or mma")
 
     @classmethod
     def parse(cls, text: str) -> KernelConfig:
-        """``chunk/block/warps/stages[/int8]``, as the benchmarks name a configuration."""
+        """``chunk/block/warps/stages[/read]``, as the benchmarks name a configuration."""
         fields = text.split("/")
         return cls(*(int(x) for x in fields[:4]), *fields[4:])  # type: ignore[arg-type]
 
     def __str__(self) -> str:
-        return f"{self.chunk}/{self.block_n}/{self.warps}/{self.stages}/{self.int8}"
+        return f"{self.chunk}/{self.block_n}/{self.warps}/{self.stages}/{self.read}"
 
 
 DEFAULT = KernelConfig()
 # H200, int8 ring of 512 rows, 2 query heads a KV head, all 3000 slots live: 1.13 ms a layer
 # against 2.30 ms ("bits", the best of 13 tiles before; "cast" slower still) and a 0.73 ms floor.
-DEFAULT_INT8 = KernelConfig(chunk=512, block_n=16, warps=1, int8="mma")
+DEFAULT_INT8 = KernelConfig(chunk=512, block_n=16, warps=1, read="mma")
 
 
 def prefix_mask(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -156,11 +158,14 @@ def live_attention(
             *ring_strides, *scale_strides, kv_heads, group, splits, 1.0 / math.sqrt(d))  # fmt: skip
     tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d, "GROUP": triton.next_power_of_2(group),
              "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
-    if scales is None or config.int8 == "cast":
+    dots = config.read == "mma" and d >= 64 and config.block_n >= 16  # tl.dot's smallest operands
+    if scales is None and dots and keys.element_size() == 2:  # a bf16 (or float16) ring
+        _partials_mma[(b * kv_heads, splits)](*args, **{**tiles, "GROUP": max(16, tiles["GROUP"])})
+    elif scales is None or config.read == "cast":
         _partials[(b * kv_heads, splits)](*args, QUANT=scales is not None, **tiles)
     else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
         assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
-        if config.int8 == "mma" and d >= 64 and config.block_n >= 16:  # tl.dot's smallest operands
+        if dots:
             _partials_int8_mma[(b * kv_heads, splits)](*args, **{**tiles, "GROUP": max(16, tiles["GROUP"])})
         else:  # "bits", or heads too narrow for the tensor cores
             _partials_int8[(b * kv_heads, splits)](*args, **tiles)
@@ -197,6 +202,13 @@ if triton is not None:
         return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new[:, None])
 
     @triton.jit
+    def _store(PART_OUT, PART_MAX, PART_SUM, part, used, d, D: tl.constexpr, acc, m_i, l_i):  # type: ignore[no-untyped-def]
+        """A chunk's partials for the merge: each query's weighted value sum, max and sum."""
+        tl.store(PART_OUT + part[:, None] * D + d[None, :], acc, mask=used[:, None])
+        tl.store(PART_MAX + part, m_i, mask=used)
+        tl.store(PART_SUM + part, l_i, mask=used)
+
+    @triton.jit
     def _partials(
         Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
@@ -231,10 +243,41 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        part = rows * splits + split
-        tl.store(PART_OUT + part[:, None] * D + d[None, :], acc, mask=used[:, None])
-        tl.store(PART_MAX + part, m_i, mask=used)
-        tl.store(PART_SUM + part, l_i, mask=used)
+        _store(PART_OUT, PART_MAX, PART_SUM, rows * splits + split, used, d, D, acc, m_i, l_i)
+
+    @triton.jit
+    def _partials_mma(
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        kv_heads, group, splits, scale,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """``_partials`` of a 16-bit ring with ``q . k`` and ``p . v`` on the tensor cores (``GROUP``:
+        the query block, padded to tl.dot's 16 rows), as flash attention takes them: the ring's
+        own values, float32 sums, the weights rounded to the ring's type for ``p . v``. The
+        broadcast form multiplies ``group`` queries by every loaded key on the CUDA cores in
+        float32 ([GROUP, BLOCK_N, D] products reduced across threads); on the H200 it read a
+        bf16 ring at 2.2-4.3x its floor with two queries a KV head."""
+        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        d = tl.arange(0, D)
+        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        acc = tl.zeros([GROUP, D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            k = tl.load(k_base + n[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            m_new, alpha, p = _softmax_step(s, valid, m_i)
+            v = tl.load(v_base + n[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        _store(PART_OUT, PART_MAX, PART_SUM, rows * splits + split, used, d, D, acc, m_i, l_i)
 
     @triton.jit
     def _byte(w, i: tl.constexpr):  # type: ignore[no-untyped-def]
