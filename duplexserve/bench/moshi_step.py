@@ -629,7 +629,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")
         p.add_argument(
             "--kernels", default="",
-            help="chunk/block/warps/stages[/int8],...: attention's configurations (default 256/32/2/3), "
+            help="chunk/block/warps/stages[/read],...: attention's configurations (default 256/32/2/3), "
             "breakdown's attention kernels (the --kv-dtype ring's), one engine each (default the engine's)",
         )  # fmt: skip
         p.add_argument(
