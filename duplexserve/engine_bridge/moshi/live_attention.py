@@ -202,6 +202,16 @@ if triton is not None:
         return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new[:, None])
 
     @triton.jit
+    def _start(K, V, b, g, stride_kb, stride_kh, stride_vb, stride_vh, D: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The ring kernels' common start: the (row, KV head)'s keys and values, and each query's
+        running softmax and value sum at their start."""
+        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], dtype=tl.float32)
+        return k_base, v_base, m_i, l_i, tl.zeros([GROUP, D], dtype=tl.float32)
+
+    @triton.jit
     def _store(PART_OUT, PART_MAX, PART_SUM, part, used, d, D: tl.constexpr, acc, m_i, l_i):  # type: ignore[no-untyped-def]
         """A chunk's partials for the merge: each query's weighted value sum, max and sum."""
         tl.store(PART_OUT + part[:, None] * D + d[None, :], acc, mask=used[:, None])
@@ -221,13 +231,11 @@ if triton is not None:
         rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
         d = tl.arange(0, D)
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32) * scale
-        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
-        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
+        k_base, v_base, m_i, l_i, acc = _start(
+            K, V, b, g, stride_kb, stride_kh, stride_vb, stride_vh, D, GROUP
+        )  # fmt: skip
         ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh  # slots contiguous
         vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
-        m_i = tl.full([GROUP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP], dtype=tl.float32)
-        acc = tl.zeros([GROUP, D], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
@@ -262,11 +270,9 @@ if triton is not None:
         rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
         d = tl.arange(0, D)
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
-        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
-        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
-        m_i = tl.full([GROUP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP], dtype=tl.float32)
-        acc = tl.zeros([GROUP, D], dtype=tl.float32)
+        k_base, v_base, m_i, l_i, acc = _start(
+            K, V, b, g, stride_kb, stride_kh, stride_vb, stride_vh, D, GROUP
+        )  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
