@@ -8,9 +8,9 @@ else a slot holds is nearly the same for every shape: Mimi's conv and transforme
 the row buckets' CUDA graph pools. Measured on the H200 as the device memory an engine
 uses once started, less its rings (logged at each start): 16-19 MiB a slot at 32 slots,
 24-26 at 128 and 192, 28.8 at 448 and 27.6 at 512, for hibiki-2b, hibiki-2b-class and
-hibiki-zero-3b in bf16 and moshi-7b and hibiki-zero-3b in int8 (docs/benchmarks.md,
-"Memory a slot"). ``OTHER_PER_SLOT`` allows 32 MiB and ``RESERVE`` 2 GiB for what does
-not scale.
+hibiki-zero-3b in bf16 and moshi-7b and hibiki-zero-3b in int8; personaplex-7b 31.4 at 144
+(int8) and 33.2 at 78 (bf16) beside its prefill's row (docs/benchmarks.md, "Memory a slot").
+``OTHER_PER_SLOT`` allows 32 MiB and ``RESERVE`` 2 GiB for what does not scale.
 """
 
 from __future__ import annotations
