@@ -159,14 +159,15 @@ def live_attention(
     tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d, "GROUP": triton.next_power_of_2(group),
              "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
     dots = config.read == "mma" and d >= 64 and config.block_n >= 16  # tl.dot's smallest operands
+    dot_tiles = {**tiles, "GROUP": max(16, tiles["GROUP"])}  # the query block padded to tl.dot's 16 rows
     if scales is None and dots and keys.element_size() == 2:  # a bf16 (or float16) ring
-        _partials_mma[(b * kv_heads, splits)](*args, **{**tiles, "GROUP": max(16, tiles["GROUP"])})
+        _partials_mma[(b * kv_heads, splits)](*args, **dot_tiles)
     elif scales is None or config.read == "cast":
         _partials[(b * kv_heads, splits)](*args, QUANT=scales is not None, **tiles)
     else:  # whole int32 words of the int8 ring: every offset a multiple of 4 bytes
         assert all(x % 4 == 0 for x in (d, *ring_strides, keys.data_ptr(), values.data_ptr()))
         if dots:
-            _partials_int8_mma[(b * kv_heads, splits)](*args, **{**tiles, "GROUP": max(16, tiles["GROUP"])})
+            _partials_int8_mma[(b * kv_heads, splits)](*args, **dot_tiles)
         else:  # "bits", or heads too narrow for the tensor cores
             _partials_int8[(b * kv_heads, splits)](*args, **tiles)
     out = torch.empty((b * h, d), device=q.device, dtype=q.dtype)
