@@ -239,6 +239,8 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     from moshi.modules.transformer import expand_repeated_kv
 
     from duplexserve.engine_bridge.moshi.live_attention import (
+        DEFAULT,
+        DEFAULT_INT8,
         KernelConfig,
         dequantize,
         live_attention,
@@ -247,8 +249,10 @@ def cmd_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
         reference_attention,
     )
 
-    configs = [KernelConfig.parse(c) for c in (args.kernels or "256/32/2/3").split(",")]
     int8 = args.kv_dtype == "int8"
+    configs = [KernelConfig.parse(c) for c in args.kernels.split(",")] if args.kernels else [
+        DEFAULT_INT8 if int8 else DEFAULT
+    ]
     heads, dim, cap, repeat = 16, 128, args.context or 3000, args.kv_repeat
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
@@ -629,8 +633,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")
         p.add_argument(
             "--kernels", default="",
-            help="chunk/block/warps/stages[/read],...: attention's configurations (default 256/32/2/3), "
-            "breakdown's attention kernels (the --kv-dtype ring's), one engine each (default the engine's)",
+            help="chunk/block/warps/stages[/read],...: the --kv-dtype ring's kernels, attention's to time, "
+            "breakdown's one engine each (default the engine's)",
         )  # fmt: skip
         p.add_argument(
             "--tiles", default="64/4,32/4,16/4,64/4/rows,64/8/rows,32/4/rows,32/2/rows,16/4/rows,16/2/rows",
