@@ -133,6 +133,24 @@ LIVE_MMA_CHECK = textwrap.dedent(
             assert err < (1e-3 if dtype == torch.float32 else 1e-2), (dtype, group, config, err)
             print("mma max error", dtype, group, config, err)
 
+    # every int8 value through ``_half`` (each byte of an int32 word to float16, the int8
+    # tensor-core kernel's read): exact
+    import triton
+    import triton.language as tl
+    from duplexserve.engine_bridge.moshi.live_attention import _half
+
+    @triton.jit
+    def halves(W, OUT, N: tl.constexpr):
+        w = tl.load(W + tl.arange(0, N))
+        for i in tl.static_range(4):
+            tl.store(OUT + 4 * tl.arange(0, N) + i, _half(w, i))
+
+    every = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)[torch.randperm(256)]
+    out = torch.empty(256, dtype=torch.float16)
+    halves[(1,)](every.view(torch.int32), out, N=64)
+    assert torch.equal(out, every.to(torch.float16)), (out - every.to(torch.float16)).abs().max()
+    print("every byte exact")
+
     # a 16-bit ring on the tensor cores (``read="mma"``), against float32 SDPA over its live prefix:
     # float16 here, since the interpreter's tl.dot of bf16 operands is wrong (numpy has no bf16:
     # 2e10 off on a 16 x 16 product); the kernel is the same for both, only the MMA's type differs
@@ -160,3 +178,4 @@ def test_live_attention_on_the_tensor_cores_equals_the_reference():
     pytest.importorskip("triton")
     stdout = run_interpreted(LIVE_MMA_CHECK, timeout=300)
     assert stdout.count("mma max error") == 12 and stdout.count("16-bit mma max error") == 6, stdout
+    assert "every byte exact" in stdout, stdout
