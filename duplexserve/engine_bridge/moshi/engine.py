@@ -157,6 +157,7 @@ class MoshiEngine(Engine):
         from moshi.models import LMGen
         from moshi.utils.compile import no_compile
 
+        from duplexserve.engine_bridge.moshi.fused_norm import install_fused_norms
         from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
         from duplexserve.engine_bridge.moshi.live_attention import triton_available
         from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
@@ -222,6 +223,8 @@ class MoshiEngine(Engine):
                     f"this LM cannot use live-prefix attention, which --moshi-kv-dtype {self.kv_dtype} needs"
                 )
             log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
+        if self.attention == "live":  # the LM's and the depformer's RMSNorms, one kernel each on CUDA
+            install_fused_norms(lm)
         if self.mimi_attention == "live" and triton_available(device) and not install_ring_attention(mimi):
             log.warning("moshi engine: this Mimi's transformers cannot take the ring attention; stock")
         if self.depformer == "lean" and not install_lean_depformer(lm):
