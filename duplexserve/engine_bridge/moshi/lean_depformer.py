@@ -41,6 +41,7 @@ class LeanStepAttention(StreamingMultiheadAttention):
     one-token steps taken by all rows together (the depformer)."""
 
     _use_kernel: bool
+    _steps: torch.Tensor  # 0, 1, ...: one per codebook step, on the LM's device
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         state = self._streaming_state
@@ -57,17 +58,19 @@ class LeanStepAttention(StreamingMultiheadAttention):
         slot = step % cache.capacity
         ring[0, :, :, slot] = k[:, :, 0]
         ring[1, :, :, slot] = v[:, :, 0]
-        if self._use_kernel:
-            x = ring_attention(q, ring[0], ring[1], cache.end_offset)  # end_offset: the step, [1]
+        if self._use_kernel:  # the positions written before this step: the step, a constant's view
+            x = ring_attention(q, ring[0], ring[1], self._steps[step : step + 1])
         else:
             live = min(step + 1, cache.capacity)
             keys, values = ring[0, :, :, :live], ring[1, :, :, :live]
             x = F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.kv_repeat > 1)
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
         x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
-        # The state moves as the library's does (the state is dropped after the LM step).
-        cache.end_offset.add_(1)
-        state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
+        # Of the state only the step moves: the ring's end and the per-row offsets, which the
+        # library moves with four kernels a layer and step (384 a Hibiki-Zero step), are read by
+        # nothing here but RoPE, and the state is dropped after the LM step.
+        if self.rope is not None:
+            state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
         state.offset_cpu += 1
         return x
 
@@ -93,9 +96,12 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
     )  # fmt: skip
     if not fits:
         return False
+    device = next(lm.parameters()).device
     if use_kernel is None:
-        use_kernel = triton_available(next(lm.parameters()).device)
+        use_kernel = triton_available(device)
+    steps = torch.arange(lm.dep_q, device=device)
     for attention in attentions:
         attention.__class__ = LeanStepAttention
         attention._use_kernel = use_kernel
+        attention._steps = steps
     return True
