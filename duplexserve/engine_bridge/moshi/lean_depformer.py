@@ -10,8 +10,8 @@ slots, in slot order (hibiki-2b-class: 16 steps over a ring of 8, which wraps). 
 builds that mask from a position table in every layer of every codebook step (about ten
 small kernels) and hands it to SDPA, which with a mask takes cuDNN's masked kernel:
 5.8 ms of the step at 384 hibiki-2b-class slots on the H200 for 96 calls over at most 8 keys.
-Here the slot is written with one copy and the live slots are read unmasked: on the
-CPU by SDPA over the slice (the tests show the depformer's tokens equal to stock
+Here the slot's key and value are written with one copy and the live slots are read
+unmasked: on the CPU by SDPA over the slice (the tests show the depformer's tokens equal to stock
 moshi's and its logits equal in float64 up to the order of the sums: without the masked
 keys a vectorised kernel may add in another order, 1e-15 on an AVX-512 CPU), on CUDA
 by ``ring_attention`` (one small program per row and head; SDPA's flash kernel over the
@@ -51,13 +51,10 @@ class LeanStepAttention(StreamingMultiheadAttention):
         step = state.offset_cpu
         b = query.shape[0]
         projected = apply_weights_per_step(self.in_projs, self.weights_per_step_schedule, query, step)
-        q, k, v = split_heads(self, projected)
-        if self.rope is not None:
-            q, k = self.rope(q, k, state.offset, time_before_heads=False)
+        q, kv = split_heads(self, projected)  # no RoPE (install_lean_depformer)
         ring = cache.cache  # [2, B, KV heads, capacity, D]
         slot = step % cache.capacity
-        ring[0, :, :, slot] = k[:, :, 0]
-        ring[1, :, :, slot] = v[:, :, 0]
+        ring[:, :, :, slot] = kv[:, :, :, 0]  # keys and values in one copy
         if self._use_kernel:  # the positions written before this step: the step, a constant's view
             x = ring_attention(q, ring[0], ring[1], self._steps[step : step + 1])
         else:
@@ -67,10 +64,8 @@ class LeanStepAttention(StreamingMultiheadAttention):
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
         x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
         # Of the state only the step moves: the ring's end and the per-row offsets, which the
-        # library moves with four kernels a layer and step (384 a Hibiki-Zero step), are read by
-        # nothing here but RoPE, and the state is dropped after the LM step.
-        if self.rope is not None:
-            state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
+        # library moves with four kernels a layer and step (384 a Hibiki-Zero step), are read
+        # by nothing here (no RoPE), and the state is dropped after the LM step.
         state.offset_cpu += 1
         return x
 
@@ -79,8 +74,9 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
     """Give ``lm``'s depformer ``LeanStepAttention``; False where it cannot apply.
 
     It applies to a depformer as moshi builds it: causal self-attention with weights per
-    step (its ring has one end offset for the whole batch, every row at the same step),
-    grouped KV heads or not, a ring as long as the context (or as the steps, without one).
+    step (its ring has one end offset for the whole batch, every row at the same step) and
+    no RoPE (no released depformer has it), grouped KV heads or not, a ring as long as the
+    context (or as the steps, without one).
     ``use_kernel`` defaults to ``ring_attention`` where Triton runs (CUDA), else SDPA over
     the live slots. Call before the LM starts streaming.
     """
@@ -89,7 +85,7 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
         return False
     attentions = [layer.self_attn for layer in depformer.layers]
     fits = all(
-        a.causal and not a.cross_attention and a.weights_per_step
+        a.causal and not a.cross_attention and a.weights_per_step and a.rope is None
         and type(a) is StreamingMultiheadAttention
         and (a.context is None or a.context > 0)
         for a in attentions

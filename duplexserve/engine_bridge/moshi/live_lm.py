@@ -79,15 +79,14 @@ def plain_self_attention(a: StreamingMultiheadAttention) -> bool:
     )  # fmt: skip
 
 
-def split_heads(
-    a: StreamingMultiheadAttention, projected: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_heads(a: StreamingMultiheadAttention, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The input projection ``[B, T, (H + 2 * KV) * D]`` as moshi splits it: ``q`` of ``H``
-    heads, ``k`` and ``v`` of ``KV = H / kv_repeat`` (views, ``[B, heads, T, D]``)."""
+    heads ``[B, H, T, D]`` and ``kv``, ``k`` and ``v`` of ``KV = H / kv_repeat`` heads
+    ``[2, B, KV, T, D]`` (views; ``k, v = kv``, or both written into a ring at once)."""
     b, t = projected.shape[:2]
     q = projected[..., : a.embed_dim].view(b, t, a.num_heads, -1).transpose(1, 2)
-    k, v = projected[..., a.embed_dim :].view(b, t, 2, a.num_heads // a.kv_repeat, -1).permute(2, 0, 3, 1, 4)
-    return q, k, v
+    kv = projected[..., a.embed_dim :].view(b, t, 2, a.num_heads // a.kv_repeat, -1).permute(2, 0, 3, 1, 4)
+    return q, kv
 
 
 class QuantRing:
@@ -132,7 +131,7 @@ class LiveAttention(StreamingMultiheadAttention):
         if not clock.active:
             return self._prefill(query)
         b = query.shape[0]
-        q, k, v = split_heads(self, self.in_projs[0](query))
+        q, (k, v) = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
             q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
         ring, scales = state.kv_cache.cache, None
@@ -168,7 +167,7 @@ class LiveAttention(StreamingMultiheadAttention):
         clock = self._live_clock
         state = self._streaming_state
         b, t = query.shape[:2]
-        q, k, v = split_heads(self, self.in_projs[0](query))
+        q, (k, v) = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
             q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
         positions = clock.offsets.view(-1, 1, 1, 1) + torch.arange(t, device=q.device).view(1, 1, -1, 1)

@@ -30,7 +30,7 @@ class RingAttention(StreamingMultiheadAttention):
         if state is None or t * self.kv_repeat > MAX_QUERIES:  # the same state: stock advances it alike
             return super().forward(query, key, value)
         cache = state.kv_cache
-        q, k, v = split_heads(self, self.in_projs[0](query))
+        q, (k, v) = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
             q, k = self.rope(q, k, state.offset, time_before_heads=False)
         ends = cache.end_offset
