@@ -78,3 +78,22 @@ def test_moshi_rtf_runs_each_count_twice_on_one_server_and_counts_each_run_apart
     # the server's counters over each run alone: a run is not the one before plus its own
     for a, b in (runs[:2], runs[2:]):
         assert abs(a["steps"] - b["steps"]) <= 10, (a["steps"], b["steps"])
+
+
+def test_moshi_step_kernels_counts_what_the_lean_depformer_leaves_out():
+    """``bench moshi-step kernels``: one depformer step of tiny-zero, two layers deep, launches
+    the Triton kernels the engine's CUDA path would (two norms and one ring read a layer and
+    codebook step), none of the library's one-tensor ``cat``s or ring-end moves, and under half
+    stock moshi's kernels."""
+    from duplexserve.bench import moshi_step
+
+    parser = argparse.ArgumentParser()
+    moshi_step.add_arguments(parser)
+    stock, lean = moshi_step.cmd_kernels(
+        parser.parse_args(["kernels", "--preset", "tiny-zero", "--depformer-layers", "2"])
+    )
+    steps = 2 * 16  # layers x codebook steps
+    assert stock["triton"] == {} and stock["torch_ops"]["aten::cat"] >= 3 * steps
+    assert lean["triton"] == {"rms_norm": 2 * steps, "ring_attention": steps}
+    assert lean["torch_ops"].get("aten::cat", 0) <= 1 and "aten::add_" not in lean["torch_ops"]
+    assert lean["kernels"] < stock["kernels"] / 2

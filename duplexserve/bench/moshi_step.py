@@ -18,8 +18,11 @@
                input, and the SNR of the audio decoded from the same codes.
     ring       Mimi's ring attention alone (16 calls in a CUDA graph): SDPA with the ring's
                mask against the Triton kernel at each tile, by batch and age.
+    kernels    the kernels one depformer step launches (its ``dep_q`` codebook steps), stock
+               moshi's against the engine's (lean depformer, fused norms), counted on the CPU:
+               the torch operators that run a kernel on CUDA, and the Triton launches.
 
-Runs on CUDA (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
+Runs on CUDA but for ``kernels`` (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
 """
 
 from __future__ import annotations
@@ -553,6 +556,80 @@ def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tupl
     return got.cpu().numpy(), pcm[:, 0].float().cpu().numpy()
 
 
+# torch operators that launch no kernel of their own on CUDA: views, allocations, and calls that
+# launch through their children or, where they return their input, not at all
+_NO_KERNEL = frozenset((
+    "as_strided", "view", "empty", "empty_strided", "empty_like", "_unsafe_view", "alias", "resolve_conj",
+    "result_type", "t", "transpose", "reshape", "_reshape_alias", "slice", "select", "unsqueeze", "squeeze",
+    "expand", "permute", "narrow", "split", "chunk", "unbind", "detach", "lift_fresh", "contiguous", "to",
+    "_to_copy", "linear", "matmul", "scaled_dot_product_attention", "softmax", "layer_norm", "zeros",
+))  # fmt: skip
+
+
+def cmd_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One ``LMGen.depformer_step`` of ``--preset`` (its depformer ``--depformer-layers`` deep where
+    given: what a layer and codebook step launches does not depend on the widths), stock and lean,
+    on the CPU with the Triton kernels counted where the engine's CUDA path would launch them."""
+    import collections
+    from unittest import mock
+
+    import torch
+    from moshi.models import LMGen, loaders
+
+    from duplexserve.engine_bridge.moshi import fused_norm, lean_depformer
+    from duplexserve.engine_bridge.moshi.presets import get_preset
+
+    kwargs = dict(get_preset(args.preset).lm)
+    if args.depformer_layers:
+        kwargs["depformer_num_layers"] = args.depformer_layers
+    rows = []
+    for variant in ("stock", "lean"):
+        torch.manual_seed(0)
+        lm = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
+        triton: collections.Counter[str] = collections.Counter()
+
+        def launch(name: str, make: Any, counter: Any = triton) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
+                counter[name] += 1
+                return make(a[0])
+
+            return run
+
+        norms = lean = 0
+        if variant == "lean":
+            lean = lean_depformer.install_lean_depformer(lm, use_kernel=True)
+            norms = fused_norm.install_fused_norms(lm, use_kernel=True)
+        gen = LMGen(lm, **get_preset(args.preset).lm_gen_config)
+        batch = 4
+        text, out = torch.zeros(batch, dtype=torch.long), torch.randn(batch, 1, lm.dim)
+        with (
+            mock.patch.object(lean_depformer, "ring_attention", launch("ring_attention", torch.zeros_like)),
+            mock.patch.object(fused_norm, "rms_norm", launch("rms_norm", torch.empty_like)),
+            torch.no_grad(),
+        ):
+            gen.depformer_step(text, out)
+            triton.clear()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                gen.depformer_step(text, out)
+
+        def runs_kernel(name: str) -> bool:
+            return name.startswith("aten::") and name[6:] not in _NO_KERNEL
+
+        ops = collections.Counter(
+            e.key for e in prof.events()
+            if runs_kernel(e.key) and not any(runs_kernel(c.name) for c in e.cpu_children)
+        )  # fmt: skip
+        row = {
+            "preset": args.preset, "variant": variant, "depformer_layers": len(lm.depformer.layers),
+            "codebook_steps": lm.dep_q, "lean_depformer": bool(lean), "fused_norms": norms,
+            "kernels": sum(ops.values()) + sum(triton.values()), "torch_ops": dict(ops.most_common()),
+            "triton": dict(triton),
+        }  # fmt: skip
+        print(json.dumps({k: v for k, v in row.items() if k != "torch_ops"}), flush=True)
+        rows.append(row)
+    return rows
+
+
 def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Mimi alone, builds (fp32 matmul/graph) against the first, on the first build's weights:
     TF32 against float32, or Mimi as whole CUDA graphs against the library's graphs."""
@@ -607,7 +684,7 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
-    for name in ("breakdown", "attention", "agreement", "mimi", "ring"):
+    for name in ("breakdown", "attention", "agreement", "mimi", "ring", "kernels"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="hibiki-2b-class")
         p.add_argument("--batches", default="1,32,64,128,192,224")
@@ -628,6 +705,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="mimi: fp32 matmul/graph,... (each against the first)",
         )  # fmt: skip
         p.add_argument("--context", type=int, default=0)
+        p.add_argument("--depformer-layers", type=int, default=0, help="kernels: the depformer's depth")
         p.add_argument("--kv-repeat", type=int, default=1, help="attention: query heads per KV head")
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--frames", type=int, default=60, help="frames per session (agreement, mimi)")
@@ -646,7 +724,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     parts = {
         "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi,
-        "ring": cmd_ring,
+        "ring": cmd_ring, "kernels": cmd_kernels,
     }  # fmt: skip
     rows = parts[args.part](args)
     if args.out:

@@ -29,11 +29,30 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from moshi.modules.transformer import StreamingMultiheadAttention, apply_weights_per_step
+from moshi.modules.transformer import StreamingMultiheadAttention, StreamingTransformerLayer
 
 from .live_attention import triton_available
 from .live_lm import split_heads
 from .ring_attention import ring_attention
+
+
+def at_step(modules: Any, schedule: list[int] | None, x: torch.Tensor, step: int) -> torch.Tensor:
+    """moshi's ``apply_weights_per_step`` for one time step: the step's module alone, without
+    the library's ``torch.cat`` of its one output (a copy kernel on CUDA)."""
+    if len(modules) == 1:
+        return modules[0](x)
+    return modules[step if schedule is None else schedule[step]](x)
+
+
+class LeanStepLayer(StreamingTransformerLayer):
+    """The depformer's layer, its feed-forward block's weights of the step applied by ``at_step``."""
+
+    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+        state = self._streaming_state
+        if state is None or x.shape[1] != 1 or self.gating is None or not self.weights_per_step:
+            return super()._ff_block(x)
+        update = at_step(self.gating, self.weights_per_step_schedule, self.norm2(x), state.offset_cpu)
+        return x.to(update) + self.layer_scale_2(update)
 
 
 class LeanStepAttention(StreamingMultiheadAttention):
@@ -50,7 +69,7 @@ class LeanStepAttention(StreamingMultiheadAttention):
         cache = state.kv_cache
         step = state.offset_cpu
         b = query.shape[0]
-        projected = apply_weights_per_step(self.in_projs, self.weights_per_step_schedule, query, step)
+        projected = at_step(self.in_projs, self.weights_per_step_schedule, query, step)
         q, kv = split_heads(self, projected)  # no RoPE (install_lean_depformer)
         ring = cache.cache  # [2, B, KV heads, capacity, D]
         slot = step % cache.capacity
@@ -62,7 +81,7 @@ class LeanStepAttention(StreamingMultiheadAttention):
             keys, values = ring[0, :, :, :live], ring[1, :, :, :live]
             x = F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.kv_repeat > 1)
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
-        x = apply_weights_per_step(self.out_projs, self.weights_per_step_schedule, x, step)
+        x = at_step(self.out_projs, self.weights_per_step_schedule, x, step)
         # Of the state only the step moves: the ring's end and the per-row offsets, which the
         # library moves with four kernels a layer and step (384 a Hibiki-Zero step), are read
         # by nothing here (no RoPE), and the state is dropped after the LM step.
@@ -83,20 +102,22 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
     depformer = getattr(lm, "depformer", None)
     if depformer is None or depformer.is_streaming:
         return False
-    attentions = [layer.self_attn for layer in depformer.layers]
+    layers = list(depformer.layers)
+    attentions = [layer.self_attn for layer in layers]
     fits = all(
         a.causal and not a.cross_attention and a.weights_per_step and a.rope is None
         and type(a) is StreamingMultiheadAttention
         and (a.context is None or a.context > 0)
         for a in attentions
-    )  # fmt: skip
+    ) and all(type(layer) is StreamingTransformerLayer for layer in layers)  # fmt: skip
     if not fits:
         return False
     device = next(lm.parameters()).device
     if use_kernel is None:
         use_kernel = triton_available(device)
     steps = torch.arange(lm.dep_q, device=device)
-    for attention in attentions:
+    for layer, attention in zip(layers, attentions, strict=True):
+        layer.__class__ = LeanStepLayer
         attention.__class__ = LeanStepAttention
         attention._use_kernel = use_kernel
         attention._steps = steps
