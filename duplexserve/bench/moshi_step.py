@@ -559,10 +559,11 @@ def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tupl
 # torch operators that launch no kernel of their own on CUDA: views, allocations, and calls that
 # launch through their children or, where they return their input, not at all
 _NO_KERNEL = frozenset((
-    "as_strided", "view", "empty", "empty_strided", "empty_like", "_unsafe_view", "alias", "resolve_conj",
-    "result_type", "t", "transpose", "reshape", "_reshape_alias", "slice", "select", "unsqueeze", "squeeze",
-    "expand", "permute", "narrow", "split", "chunk", "unbind", "detach", "lift_fresh", "contiguous", "to",
-    "_to_copy", "linear", "matmul", "scaled_dot_product_attention", "softmax", "layer_norm", "zeros",
+    "as_strided", "view", "empty", "empty_strided", "empty_like", "resize_", "_unsafe_view", "alias",
+    "resolve_conj", "result_type", "t", "transpose", "reshape", "_reshape_alias", "slice", "select",
+    "unsqueeze", "squeeze", "expand", "permute", "narrow", "split", "chunk", "unbind", "detach", "lift_fresh",
+    "contiguous", "to", "_to_copy", "linear", "matmul", "scaled_dot_product_attention", "softmax",
+    "layer_norm", "zeros",
 ))  # fmt: skip
 
 
@@ -603,7 +604,7 @@ def cmd_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
         batch = 4
         text, out = torch.zeros(batch, dtype=torch.long), torch.randn(batch, 1, lm.dim)
         with (
-            mock.patch.object(lean_depformer, "ring_attention", launch("ring_attention", torch.zeros_like)),
+            mock.patch.object(lean_depformer, "ring_attention", launch("ring_attention", torch.empty_like)),
             mock.patch.object(fused_norm, "rms_norm", launch("rms_norm", torch.empty_like)),
             torch.no_grad(),
         ):
