@@ -567,6 +567,22 @@ _NO_KERNEL = frozenset((
 ))  # fmt: skip
 
 
+def _runs_kernel(name: str) -> bool:
+    return name.startswith("aten::") and name[6:] not in _NO_KERNEL
+
+
+def _counted(counter: Any, name: str) -> Any:
+    """A stand-in for a Triton launch: counts it and allocates its output (shaped as its first
+    argument) without a kernel."""
+    import torch
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        counter[name] += 1
+        return torch.empty_like(args[0])
+
+    return run
+
+
 def cmd_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One ``LMGen.depformer_step`` of ``--preset`` (its depformer ``--depformer-layers`` deep where
     given: what a layer and codebook step launches does not depend on the widths), stock and lean,
@@ -580,7 +596,8 @@ def cmd_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
     from duplexserve.engine_bridge.moshi import fused_norm, lean_depformer
     from duplexserve.engine_bridge.moshi.presets import get_preset
 
-    kwargs = dict(get_preset(args.preset).lm)
+    preset = get_preset(args.preset)
+    kwargs = dict(preset.lm)
     if args.depformer_layers:
         kwargs["depformer_num_layers"] = args.depformer_layers
     rows = []
@@ -588,37 +605,25 @@ def cmd_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.manual_seed(0)
         lm = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
         triton: collections.Counter[str] = collections.Counter()
-
-        def launch(name: str, make: Any, counter: Any = triton) -> Any:
-            def run(*a: Any, **k: Any) -> Any:
-                counter[name] += 1
-                return make(a[0])
-
-            return run
-
         norms = lean = 0
         if variant == "lean":
             lean = lean_depformer.install_lean_depformer(lm, use_kernel=True)
             norms = fused_norm.install_fused_norms(lm, use_kernel=True)
-        gen = LMGen(lm, **get_preset(args.preset).lm_gen_config)
+        gen = LMGen(lm, **preset.lm_gen_config)
         batch = 4
         text, out = torch.zeros(batch, dtype=torch.long), torch.randn(batch, 1, lm.dim)
         with (
-            mock.patch.object(lean_depformer, "ring_attention", launch("ring_attention", torch.empty_like)),
-            mock.patch.object(fused_norm, "rms_norm", launch("rms_norm", torch.empty_like)),
+            mock.patch.object(lean_depformer, "ring_attention", _counted(triton, "ring_attention")),
+            mock.patch.object(fused_norm, "rms_norm", _counted(triton, "rms_norm")),
             torch.no_grad(),
         ):
             gen.depformer_step(text, out)
             triton.clear()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 gen.depformer_step(text, out)
-
-        def runs_kernel(name: str) -> bool:
-            return name.startswith("aten::") and name[6:] not in _NO_KERNEL
-
         ops = collections.Counter(
             e.key for e in prof.events()
-            if runs_kernel(e.key) and not any(runs_kernel(c.name) for c in e.cpu_children)
+            if _runs_kernel(e.key) and not any(_runs_kernel(c.name) for c in e.cpu_children)
         )  # fmt: skip
         row = {
             "preset": args.preset, "variant": variant, "depformer_layers": len(lm.depformer.layers),

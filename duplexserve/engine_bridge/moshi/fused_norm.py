@@ -25,10 +25,10 @@ if triton is not None:
 
 
 class FusedRMSNorm(RMSNorm):
-    """moshi's ``RMSNorm``; a float32 one (``rms_norm_f32``) runs as one kernel."""
+    """moshi's float32 ``RMSNorm`` (``rms_norm_f32``) as one kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dtype == torch.float32 and x.dim() == 3 and x.stride(-1) == 1:
+        if x.dim() == 3 and x.stride(-1) == 1:
             return rms_norm(x, self.alpha, self.eps)
         return super().forward(x)
 
@@ -50,13 +50,13 @@ def rms_norm(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def install_fused_norms(module: Any, use_kernel: bool | None = None) -> int:
-    """Make every moshi ``RMSNorm`` in ``module`` a ``FusedRMSNorm``; how many. ``use_kernel``
+    """Make every moshi float32 ``RMSNorm`` in ``module`` a ``FusedRMSNorm``; how many. ``use_kernel``
     defaults to where Triton runs (CUDA); without it nothing changes (0)."""
     if use_kernel is None:
         use_kernel = triton_available(next(module.parameters()).device)
     if not use_kernel:
         return 0
-    norms = [m for m in module.modules() if type(m) is RMSNorm]
+    norms = [m for m in module.modules() if type(m) is RMSNorm and m.dtype == torch.float32]
     for norm in norms:
         norm.__class__ = FusedRMSNorm
     return len(norms)
