@@ -4,7 +4,7 @@
                main graph, the depformer graph, Mimi decode and the rest, timed with
                CUDA events; the GPU's busy time from the profiler, so that the time the
                GPU waits on Python is the step's wall time less it; the KV-read floor
-               beside each row.
+               beside each row; Mimi's encode and decode alone, kernel by kernel.
     attention  one layer's attention alone: stock (moshi's per-layer positions and mask,
                SDPA over the whole ring) against the live-prefix kernel, by live length.
     agreement  each session of batched variants (attention, KV dtype, depformer, Mimi) against
@@ -146,10 +146,8 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
         row["step_wall_p50"] = 1000 * float(np.median(wall))
         row["gpu_busy"] = busy_ms
         row["gpu_waits_on_host"] = max(0.0, row["step_wall_p50"] - busy_ms)
-        row["top_kernels"] = [
-            (k.key[:80], round(k.self_device_time_total / 1000 / 5, 3), k.count // 5)
-            for k in sorted(kernels, key=lambda k: -k.self_device_time_total)[:12]
-        ]
+        row["top_kernels"] = _top_kernels(kernels, 5, 12)
+        row["mimi_kernels"] = _mimi_kernels(torch, mimi, engine._in_dev[:batch], engine.lm_gen.lm_model.dep_q)
         waits: list[str] = []  # where the step's thread waits for the GPU (CUDA's sync debug mode)
         with host_waits(torch, waits, on=True):
             for _ in range(2):
@@ -163,6 +161,33 @@ def breakdown(engine: Any, batch: int, age: int, steps: int) -> dict[str, Any]:
     row.update(batch=batch, age=age, kv_floor_live=_kv_floor_ms(engine, batch, live))
     row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
+
+
+def _top_kernels(kernels: list[Any], calls: int, top: int) -> list[tuple[str, float, int]]:
+    """The ``top`` kernels by GPU time: name, ms and launches per call."""
+    ranked = sorted(kernels, key=lambda k: -k.self_device_time_total)[:top]
+    ms = [round(k.self_device_time_total / 1000 / calls, 3) for k in ranked]
+    return [(k.key[:100], t, k.count // calls) for k, t in zip(ranked, ms, strict=True)]
+
+
+def _mimi_kernels(torch: Any, fns: tuple[Any, Any], pcm: Any, codebooks: int) -> dict[str, Any]:
+    """Mimi's encode and decode of a bucket, each called alone (its state moves on as in a
+    step): where Mimi's share of the step goes, kernel by kernel."""
+    encode, decode = fns
+    codes = encode(pcm)[:, :codebooks].clamp(min=0).contiguous()
+    parts: dict[str, Any] = {}
+    for name, call in (("encode", lambda: encode(pcm)), ("decode", lambda: decode(codes))):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                call()
+            torch.cuda.synchronize()
+        kernels = [k for k in prof.key_averages() if k.self_device_time_total > 0]
+        parts[name] = {
+            "gpu_ms": sum(k.self_device_time_total for k in kernels) / 1000 / 5,
+            "launches": sum(k.count for k in kernels) // 5,
+            "top_kernels": _top_kernels(kernels, 5, 30),
+        }
+    return parts
 
 
 def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -211,7 +236,8 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     **breakdown(engine, b, age, args.steps),
                 }
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "host_waits")}))
+                listed = ("top_kernels", "host_waits", "mimi_kernels")
+                print(json.dumps({k: v for k, v in row.items() if k not in listed}))
         print(json.dumps(rows[-1]["top_kernels"]), flush=True)
         print("where a step waits for the GPU:", *rows[-1]["host_waits"] or ["nowhere"], sep="\n")
         engine.stop()
