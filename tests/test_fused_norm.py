@@ -12,7 +12,9 @@ CHECK = textwrap.dedent(
     import torch
     from moshi.models import loaders
     from moshi.modules.transformer import RMSNorm, _rms_norm
-    from duplexserve.engine_bridge.moshi.fused_norm import FusedRMSNorm, install_fused_norms, rms_norm
+    from duplexserve.engine_bridge.moshi.fused_norm import (
+        FusedResidualLayer, FusedRMSNorm, add_rms_norm, install_fused_norms, rms_norm,
+    )
     from duplexserve.engine_bridge.moshi.presets import get_preset
 
     torch.manual_seed(0)
@@ -34,6 +36,18 @@ CHECK = textwrap.dedent(
                 diff = (got.float() - ref.float()).abs()
                 assert (diff <= ref.float().abs() * 2**-7).all(), diff.max()
             print("rms_norm max error", dtype, tuple(x.shape))
+            # the residual's sum and its norm in one kernel: the sum is torch's (float32: bit for
+            # bit; bf16: within the interpreter's truncation), the norm rms_norm's of that sum
+            update = (torch.randn(x.shape) * 3).to(dtype)
+            h, normed = add_rms_norm(xd, update, alpha, 1e-8)
+            want = xd + update
+            assert h.dtype == dtype and normed.dtype == dtype
+            if dtype == torch.float32:
+                assert torch.equal(h, want), (h - want).abs().max()
+            else:
+                assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()
+            assert torch.equal(normed, rms_norm(h, alpha, 1e-8))
+            print("add_rms_norm exact", dtype, tuple(x.shape))
 
     # an LM with every norm fused (float32 weights: the whole transformer to float32 precision)
     kwargs = get_preset("tiny-zero").lm
@@ -45,6 +59,8 @@ CHECK = textwrap.dedent(
     assert install_fused_norms(fused, use_kernel=True) == norms
     assert not any(type(m) is RMSNorm for m in fused.modules())
     assert sum(type(m) is FusedRMSNorm for m in fused.modules()) == norms
+    layers = [*fused.transformer.layers, *fused.depformer.layers]
+    assert all(type(m) is FusedResidualLayer and m._fuse_residual for m in layers)
     tokens = torch.randint(0, 64, (3, stock.num_codebooks, 1), generator=torch.Generator().manual_seed(1))
     outs = []
     for lm in (stock, fused):
@@ -64,10 +80,11 @@ CHECK = textwrap.dedent(
 @pytest.mark.timeout(300)
 def test_the_fused_rms_norm_equals_moshis():
     """The kernel against moshi's ``_rms_norm`` (float32 exact to its rounding, bf16 within one
-    step of its own), and a tiny-zero LM with every norm fused against the stock one."""
+    step of its own), the residual's sum with it bit for bit torch's, and a tiny-zero LM with
+    every norm and every layer's residual fused against the stock one."""
     pytest.importorskip("triton")
     stdout = run_interpreted(CHECK, timeout=240)
-    assert stdout.count("rms_norm max error") == 8, stdout
+    assert stdout.count("rms_norm max error") == 8 and stdout.count("add_rms_norm exact") == 8, stdout
     assert "transformer max error" in stdout and "depformer logits max error" in stdout, stdout
 
 

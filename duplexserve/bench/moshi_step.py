@@ -597,14 +597,15 @@ def _runs_kernel(name: str) -> bool:
     return name.startswith("aten::") and name[6:] not in _NO_KERNEL
 
 
-def _counted(counter: Any, name: str) -> Any:
-    """A stand-in for a Triton launch: counts it and allocates its output (shaped as its first
-    argument) without a kernel."""
+def _counted(counter: Any, name: str, outputs: int = 1) -> Any:
+    """A stand-in for a Triton launch: counts it and allocates its output (``outputs`` of them,
+    shaped as its first argument) without a kernel."""
     import torch
 
     def run(*args: Any, **kwargs: Any) -> Any:
         counter[name] += 1
-        return torch.empty_like(args[0])
+        made = tuple(torch.empty_like(args[0]) for _ in range(outputs))
+        return made if outputs > 1 else made[0]
 
     return run
 
@@ -641,6 +642,7 @@ def cmd_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
         with (
             mock.patch.object(lean_depformer, "ring_attention", _counted(triton, "ring_attention")),
             mock.patch.object(fused_norm, "rms_norm", _counted(triton, "rms_norm")),
+            mock.patch.object(fused_norm, "add_rms_norm", _counted(triton, "add_rms_norm", outputs=2)),
             torch.no_grad(),
         ):
             gen.depformer_step(text, out)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from moshi.modules.transformer import StreamingMultiheadAttention, StreamingTransformerLayer
 
+from .fused_norm import FusedResidualLayer
 from .live_attention import triton_available
 from .live_lm import split_heads
 from .ring_attention import ring_attention
@@ -44,15 +45,15 @@ def at_step(modules: Any, schedule: list[int] | None, x: torch.Tensor, step: int
     return modules[step if schedule is None else schedule[step]](x)
 
 
-class LeanStepLayer(StreamingTransformerLayer):
-    """The depformer's layer, its feed-forward block's weights of the step applied by ``at_step``."""
+class LeanStepLayer(FusedResidualLayer):
+    """The depformer's layer, its feed-forward block's weights of the step applied by ``at_step``
+    (and, with the fused norms, its residual and norm as one kernel: ``FusedResidualLayer``)."""
 
-    def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
+    def _ff_update(self, x: torch.Tensor) -> torch.Tensor:
         state = self._streaming_state
         if state is None or x.shape[1] != 1 or self.gating is None or not self.weights_per_step:
-            return super()._ff_block(x)
-        update = at_step(self.gating, self.weights_per_step_schedule, self.norm2(x), state.offset_cpu)
-        return x.to(update) + self.layer_scale_2(update)
+            return super()._ff_update(x)
+        return at_step(self.gating, self.weights_per_step_schedule, x, state.offset_cpu)
 
 
 class LeanStepAttention(StreamingMultiheadAttention):
@@ -109,7 +110,7 @@ def install_lean_depformer(lm: Any, use_kernel: bool | None = None) -> bool:
         and type(a) is StreamingMultiheadAttention
         and (a.context is None or a.context > 0)
         for a in attentions
-    ) and all(type(layer) is StreamingTransformerLayer for layer in layers)  # fmt: skip
+    ) and all(type(layer) in (StreamingTransformerLayer, FusedResidualLayer) for layer in layers)  # fmt: skip
     if not fits:
         return False
     device = next(lm.parameters()).device
