@@ -59,8 +59,10 @@ CHECK = textwrap.dedent(
     assert install_fused_norms(fused, use_kernel=True) == norms
     assert not any(type(m) is RMSNorm for m in fused.modules())
     assert sum(type(m) is FusedRMSNorm for m in fused.modules()) == norms
-    layers = [*fused.transformer.layers, *fused.depformer.layers]
-    assert all(type(m) is FusedResidualLayer and m._fuse_residual for m in layers)
+    for layers in (list(fused.transformer.layers), list(fused.depformer.layers)):
+        assert all(type(m) is FusedResidualLayer and m._fuse_residual for m in layers)
+        assert [m._next for m in layers] == [*layers[1:], None]  # each hands the next its input
+    assert sum(1 for _ in fused.modules()) == sum(1 for _ in stock.modules())  # no module twice
     tokens = torch.randint(0, 64, (3, stock.num_codebooks, 1), generator=torch.Generator().manual_seed(1))
     outs = []
     for lm in (stock, fused):
