@@ -114,11 +114,18 @@ LIVE_MMA_CHECK = textwrap.dedent(
     torch.manual_seed(0)
     # (b, KV heads, capacity, head dim), query heads per KV head (Hibiki-Zero's 2); rows of length
     # 0, 1, a partial tile, a partial chunk and the whole ring (300: the last chunk partial too)
-    cases = [(torch.float32, (5, 2, 300, 64), 1), (torch.float32, (5, 2, 300, 128), 2),
-             (torch.bfloat16, (5, 1, 300, 128), 2)]  # fmt: skip
-    for dtype, (b, h, c, d), group in cases:
-        ring = torch.randn(2, b, h, c, d).to(dtype)
-        q = torch.randn(b, h * group, 1, d).to(dtype)
+    # (the last: keys that grow along the ring, so that the scores climb by tens of e-folds from
+    # tile to tile and the lazily rescaled maximum moves again and again)
+    cases = [(torch.float32, (5, 2, 300, 64), 1, 0.0), (torch.float32, (5, 2, 300, 128), 2, 0.0),
+             (torch.bfloat16, (5, 1, 300, 128), 2, 0.0),
+             (torch.float32, (5, 2, 300, 128), 2, 0.05)]  # fmt: skip
+    for dtype, (b, h, c, d), group, climb in cases:
+        ring = torch.randn(2, b, h, c, d)
+        ring[0] *= (1 + climb * torch.arange(c)).view(1, 1, -1, 1)
+        q = torch.randn(b, h * group, 1, d)
+        if climb:
+            q, ring[0] = q.abs(), ring[0].abs()
+        ring, q = ring.to(dtype), q.to(dtype)
         lengths = torch.tensor([0, 1, 40, 65, c], dtype=torch.int32)
         ring8, scale = quantize(ring)
         deq = dequantize(ring8, scale, torch.float32)
@@ -177,5 +184,5 @@ def test_live_attention_on_the_tensor_cores_equals_the_reference():
     heads or not, against SDPA over the dequantized ring; over a 16-bit ring, against float32 SDPA."""
     pytest.importorskip("triton")
     stdout = run_interpreted(LIVE_MMA_CHECK, timeout=300)
-    assert stdout.count("mma max error") == 12 and stdout.count("16-bit mma max error") == 6, stdout
+    assert stdout.count("mma max error") == 14 and stdout.count("16-bit mma max error") == 6, stdout
     assert "every byte exact" in stdout, stdout

@@ -182,6 +182,9 @@ def live_attention(
 
 
 if triton is not None:
+    # The int8 tensor-core kernel's lazy rescale: its weights are taken against a running maximum
+    # that lags the true one by at most this (e**8 = 2981 < float16's 65504).
+    RESCALE_NATS = tl.constexpr(8.0)
 
     @triton.jit
     def _chunk(LENGTHS, kv_heads, group, CHUNK: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -399,9 +402,14 @@ if triton is not None:
         the 3-d broadcast, conversions repeated per query: at two queries a KV head the kernel
         ran at 3-4x its memory floor. Here a byte costs its ``_half`` (float16, exact: an int8 is),
         whatever the group, and the scales go to the scores and the weights, one
-        multiply a key: ``s = (q . k8) * k_scale``, ``acc += v_top * ((p * v_scale / v_top) . v8)``,
-        the weights taken over the tile's largest value scale ``v_top`` so that float16 keeps
-        their precision. A chunk past the row's length loads the length and nothing else."""
+        multiply a key: ``s = (q . k8) * k_scale``, ``acc += (p * v_scale / v_top) . v8`` on the
+        tensor cores' own accumulator, ``acc * v_top`` at the end, the weights taken over the
+        chunk's largest value scale ``v_top`` so that float16 keeps their precision. The
+        accumulators are the query block padded to 16 rows, eight times the group's two: rescaling
+        them at every tile, as the running maximum moves, was a quarter of the loop's instructions
+        (sm_90, 512/16/1/3: 802 a tile of 16 slots), so the maximum moves only when a score passes
+        it by ``RESCALE_NATS`` and they are rescaled then alone (652).
+        A chunk past the row's length loads the length and nothing else."""
         rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
         if start < end:
             j, k_words, v_words, ks_base, vs_base, q_at, m_i, l_i, acc0, acc1, acc2, acc3 = _start_words(
@@ -413,6 +421,8 @@ if triton is not None:
             q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float16)
             q2 = tl.load(q_at + 2, mask=used[:, None], other=0.0).to(tl.float16)
             q3 = tl.load(q_at + 3, mask=used[:, None], other=0.0).to(tl.float16)
+            cn = start + tl.arange(0, CHUNK)  # the chunk's largest value scale (> 0: at least 1e-8 / 127)
+            v_top = tl.max(tl.load(vs_base + cn, mask=cn < end, other=0.0).to(tl.float32), axis=0)
             for n0 in range(start, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 valid = n < end
@@ -422,18 +432,31 @@ if triton is not None:
                 s = tl.dot(q2, tl.trans(_half(kw, 2)), s)
                 s = tl.dot(q3, tl.trans(_half(kw, 3)), s)
                 s = s * (tl.load(ks_base + n, mask=valid, other=0.0).to(tl.float32) * scale)[None, :]
-                m_new, alpha, p = _softmax_step(s, valid, m_i)
+                s = tl.where(valid[None, :], s, float("-inf"))
+                # the running maximum moves only when a score passes it by more than RESCALE_NATS:
+                # weights stay at most e**8 (float16 holds them), and the accumulators are rescaled
+                # in the few tiles where it moves, not in every one
+                m_tile = tl.max(s, axis=1)
+                m_new = tl.where(m_tile > m_i + RESCALE_NATS, m_tile, m_i)
+                if tl.max((m_new > m_i).to(tl.int32), axis=0) > 0:
+                    alpha = tl.exp(m_i - m_new)
+                    acc0 = acc0 * alpha[:, None]
+                    acc1 = acc1 * alpha[:, None]
+                    acc2 = acc2 * alpha[:, None]
+                    acc3 = acc3 * alpha[:, None]
+                    l_i = l_i * alpha
+                m_i = m_new
+                p = tl.exp(s - m_i[:, None])
                 vs = tl.load(vs_base + n, mask=valid, other=0.0).to(tl.float32)
-                v_top = tl.max(vs, axis=0)  # > 0: a scale is at least 1e-8 / 127
                 pv = (p * (vs * (1.0 / v_top))[None, :]).to(tl.float16)
                 vw = tl.load(v_words + n[:, None] * v_slot + j[None, :], mask=valid[:, None], other=0)
-                acc0 = acc0 * alpha[:, None] + v_top * tl.dot(pv, _half(vw, 0))
-                acc1 = acc1 * alpha[:, None] + v_top * tl.dot(pv, _half(vw, 1))
-                acc2 = acc2 * alpha[:, None] + v_top * tl.dot(pv, _half(vw, 2))
-                acc3 = acc3 * alpha[:, None] + v_top * tl.dot(pv, _half(vw, 3))
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
+                acc0 = tl.dot(pv, _half(vw, 0), acc0)
+                acc1 = tl.dot(pv, _half(vw, 1), acc1)
+                acc2 = tl.dot(pv, _half(vw, 2), acc2)
+                acc3 = tl.dot(pv, _half(vw, 3), acc3)
+                l_i += tl.sum(p, axis=1)
             part = rows * splits + split
+            acc0, acc1, acc2, acc3 = acc0 * v_top, acc1 * v_top, acc2 * v_top, acc3 * v_top
             _store_words(PART_OUT, PART_MAX, PART_SUM, part, used, j, D, acc0, acc1, acc2, acc3, m_i, l_i)
 
     @triton.jit
