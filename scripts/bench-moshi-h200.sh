@@ -58,6 +58,7 @@ print(next(n for n in PRESETS if n.replace('-', '') == sys.argv[1]))" "$1" ;;
 for spec in "$@"; do
   echo "=== $spec $(date +%T)"
   phase="${spec%@*}"; tree="$ROOT"
+  name="${spec//@/-at-}"  # a file name the device's transfer takes back (letters, digits, '.', '_', '-')
   [ "$phase" != "$spec" ] && tree="$ROOT/.ab/${spec#*@}"
   cd "$tree" || continue
   export PYTHONPATH="$SITE$tree"
@@ -73,13 +74,13 @@ for spec in "$@"; do
       preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
       kv=$([ "${parts[2]:-}" = int8 ] && echo int8 || echo bf16)
       python3 -m duplexserve bench moshi-steps --preset "$preset" --kv-dtype "$kv" \
-        --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$spec.json" ;;
+        --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$name.json" ;;
     breakdown|attention|agreement|mimi|ring)
-      python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$spec.json" ;;
+      python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$name.json" ;;
     breakdown-*|agreement-*|attention-*)
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
       part="${phase%%-*}"; suffix="${phase#*-}"; var="MOSHI_STEP_ARGS_${suffix^^}"
-      python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$spec.json" ;;
+      python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$name.json" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"
       preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
