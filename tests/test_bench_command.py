@@ -7,6 +7,8 @@ import importlib
 import subprocess
 import sys
 
+import pytest
+
 from duplexserve.bench import command
 
 
@@ -99,3 +101,18 @@ def test_moshi_step_kernels_counts_what_the_lean_depformer_leaves_out():
     assert lean["torch_ops"]["aten::add"] == 16 + 2 * 16  # and two a codebook step outside the layers
     assert lean["torch_ops"].get("aten::cat", 0) <= 1 and "aten::add_" not in lean["torch_ops"]
     assert lean["kernels"] < stock["kernels"] / 2
+
+
+def test_moshi_step_sass_reads_the_int8_kernels_loop():
+    """``bench moshi-step sass``: the int8 tensor-core kernel compiled for sm_90 here, its main
+    loop on the tensor cores, no spill, and the accumulators' rescale a block the usual tile skips."""
+    pytest.importorskip("triton")
+    from duplexserve.bench import moshi_step
+
+    parser = argparse.ArgumentParser()
+    moshi_step.add_arguments(parser)
+    (row,) = moshi_step.cmd_sass(parser.parse_args(["sass", "--kv-dtype", "int8"]))
+    opcodes = dict(row["top_opcodes"])
+    assert row["kernel"] == "512/16/1/3/mma" and row["stack_bytes"] == 0 and opcodes["HMMA"] > 0
+    assert row["loop_skippable"] > 0
+    assert row["loop_common_path"] + row["loop_skippable"] == row["loop_instructions"]

@@ -21,8 +21,11 @@
     kernels    the kernels one depformer step launches (its ``dep_q`` codebook steps), stock
                moshi's against the engine's (lean depformer, fused norms), counted on the CPU:
                the torch operators that run a kernel on CUDA, and the Triton launches.
+    sass       the tensor-core ring kernel compiled for sm_90 on this machine (``kernel_sass.py``):
+               registers, and the instructions of its main loop a tile of the ring.
 
-Runs on CUDA but for ``kernels`` (the numbers in docs/benchmarks.md come from one H200); JSON to --out.
+Runs on CUDA but for ``kernels`` and ``sass`` (the numbers in docs/benchmarks.md come from one
+H200); JSON to --out.
 """
 
 from __future__ import annotations
@@ -716,9 +719,25 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def cmd_sass(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The tensor-core ring kernel for ``--kv-dtype`` at each of ``--kernels`` (default the
+    engine's), compiled for sm_90 on this machine: its main loop's instructions."""
+    from duplexserve.bench.kernel_sass import loop_counts
+    from duplexserve.engine_bridge.moshi.live_attention import DEFAULT, DEFAULT_INT8, KernelConfig
+
+    default = DEFAULT_INT8 if args.kv_dtype == "int8" else DEFAULT
+    configs = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [default]
+    rows = []
+    for config in configs:
+        row = loop_counts(args.kv_dtype, config)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
-    for name in ("breakdown", "attention", "agreement", "mimi", "ring", "kernels"):
+    for name in ("breakdown", "attention", "agreement", "mimi", "ring", "kernels", "sass"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="hibiki-2b-class")
         p.add_argument("--batches", default="1,32,64,128,192,224")
@@ -758,7 +777,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     parts = {
         "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi,
-        "ring": cmd_ring, "kernels": cmd_kernels,
+        "ring": cmd_ring, "kernels": cmd_kernels, "sass": cmd_sass,
     }  # fmt: skip
     rows = parts[args.part](args)
     if args.out:

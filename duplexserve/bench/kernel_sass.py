@@ -1,0 +1,83 @@
+"""The live-prefix ring kernels compiled for the H200 (sm_90) on any machine, their loop read
+from the machine code: what a tile of the ring costs in instructions, before any GPU time.
+
+Triton compiles for a target it is not running on; ``cuobjdump`` (shipped with Triton's NVIDIA
+backend) prints the SASS. The kernel's main loop is the longest backward branch; a block inside
+it that a forward branch can skip (the int8 kernel's rescale, taken only when the running
+maximum moves) is counted apart, so ``common`` is what a tile usually executes. The arguments
+carry the divisibility the runtime would find at run time (pointers and the ring's strides by
+16 bytes), as Triton's JIT specializes them.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_ARGS = [
+    "Q", "K", "V", "K_SCALE", "V_SCALE", "LENGTHS", "PART_OUT", "PART_MAX", "PART_SUM",
+    "stride_kb", "stride_kh", "stride_kc", "stride_vb", "stride_vh", "stride_vc",
+    "stride_ksb", "stride_ksh", "stride_vsb", "stride_vsh", "kv_heads", "group", "splits", "scale",
+]  # fmt: skip
+_BY_16 = set(_ARGS[:15]) | {"stride_ksb", "stride_vsb"}  # as the H200 runs saw them (D 128, C 3000)
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_TARGET = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
+
+
+def loop_counts(kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16) -> dict[str, Any]:
+    """Registers, stack, shared memory and the main loop's instructions (all, the common path,
+    the most frequent opcodes of it) of the tensor-core partials kernel for ``kv_dtype``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from duplexserve.engine_bridge.moshi import live_attention
+
+    kernel = live_attention._partials_int8_mma if kv_dtype == "int8" else live_attention._partials_mma
+    ring, scale = ("*i8", "*bf16") if kv_dtype == "int8" else ("*bf16", "*bf16")
+    types = ["*bf16", ring, ring, scale, scale, "*i32", "*fp32", "*fp32", "*fp32", *["i32"] * 13, "fp32"]
+    signature: dict[str, str] = dict(zip(_ARGS, types, strict=True))
+    constexprs = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": head_dim, "GROUP": group}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(_ARGS) if name in _BY_16}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": config.warps, "num_stages": config.stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage, sass = (
+            subprocess.run([cuobjdump, flag, cubin.name], capture_output=True, text=True, check=True).stdout
+            for flag in ("-res-usage", "-sass")
+        )
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+    jumps = [(at, int(m.group(1), 16), text) for at, text in code if (m := _TARGET.search(text))]
+    start, end = max(((to, at) for at, to, _ in jumps if to < at), key=lambda span: span[1] - span[0])
+    body = [(at, text) for at, text in code if start <= at <= end]
+    skipped = {
+        at
+        for branch, to, text in jumps
+        if text.startswith("@") and start <= branch < to <= end
+        for at, _ in body
+        if branch < at < to
+    }
+    common = [text for at, text in body if at not in skipped]
+    opcodes = collections.Counter(text.split()[text.startswith("@")].split(".")[0] for text in common)
+    registers = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {
+        "kv_dtype": kv_dtype,
+        "kernel": str(config),
+        "registers": int(registers.group(1)) if registers else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "shared_bytes": compiled.metadata.shared,
+        "loop_instructions": len(body),
+        "loop_common_path": len(common),
+        "loop_skippable": len(skipped),
+        "top_opcodes": opcodes.most_common(12),
+    }
