@@ -1,5 +1,5 @@
 """moshi's float32 RMSNorm (``rms_norm_f32``, every released LM's norm) as one kernel on CUDA,
-and a layer's attention residual with the feed-forward norm after it as one more.
+and each residual add of a layer with the norm after it as one more.
 
 The library computes the norm op by op: the input made float32, squared, averaged, ``eps``
 added, ``rsqrt``, times ``alpha``, times the input, back to the input's type: eight
