@@ -18,12 +18,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-_ARGS = [
+# the arguments that are multiples of 16 (bytes, or elements) as the H200 runs had them (D 128, C 3000)
+_BY_16 = {
     "Q", "K", "V", "K_SCALE", "V_SCALE", "LENGTHS", "PART_OUT", "PART_MAX", "PART_SUM",
-    "stride_kb", "stride_kh", "stride_kc", "stride_vb", "stride_vh", "stride_vc",
-    "stride_ksb", "stride_ksh", "stride_vsb", "stride_vsh", "kv_heads", "group", "splits", "scale",
-]  # fmt: skip
-_BY_16 = set(_ARGS[:15]) | {"stride_ksb", "stride_vsb"}  # as the H200 runs saw them (D 128, C 3000)
+    "stride_kb", "stride_kh", "stride_kc", "stride_vb", "stride_vh", "stride_vc", "stride_ksb", "stride_vsb",
+}  # fmt: skip
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
 
@@ -38,12 +37,13 @@ def loop_counts(kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16
     from duplexserve.engine_bridge.moshi import live_attention
 
     kernel = live_attention._partials_int8_mma if kv_dtype == "int8" else live_attention._partials_mma
-    ring, scale = ("*i8", "*bf16") if kv_dtype == "int8" else ("*bf16", "*bf16")
-    types = ["*bf16", ring, ring, scale, scale, "*i32", "*fp32", "*fp32", "*fp32", *["i32"] * 13, "fp32"]
-    signature: dict[str, str] = dict(zip(_ARGS, types, strict=True))
+    ring = "*i8" if kv_dtype == "int8" else "*bf16"
     constexprs = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": head_dim, "GROUP": group}
+    names = [name for name in kernel.arg_names if name not in constexprs]  # the kernel's own order
+    types = ["*bf16", ring, ring, "*bf16", "*bf16", "*i32", "*fp32", "*fp32", "*fp32", *["i32"] * 13, "fp32"]
+    signature: dict[str, str] = dict(zip(names, types, strict=True))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(_ARGS) if name in _BY_16}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in _BY_16}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": config.warps, "num_stages": config.stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
