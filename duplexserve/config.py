@@ -147,6 +147,13 @@ class ServerConfig:
         " fewer host launches a step, outputs bit for bit the same; docs/moshi-engine.md)",
         ("parts", "whole"),
     )
+    moshi_mimi_convs: str = _opt(
+        "fused",
+        "moshi engine: Mimi's streaming convolutions with their bias, ELU, kept samples and residual"
+        " sums each folded into one pass (fused: CUDA with Triton; outputs bit for bit the library's)"
+        " or op by op as the library runs them (stock; what the CPU always runs)",
+        ("stock", "fused"),
+    )
     moshi_depformer: str = _opt(
         "lean",
         "moshi engine: the depformer's attention over the live slots of its ring without a mask (lean:"

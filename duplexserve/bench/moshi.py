@@ -371,6 +371,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
             "--moshi-depformer", args.depformer, "--moshi-mimi-attention", args.mimi_attention,
             "--moshi-fp32-matmul", args.fp32_matmul, "--moshi-mimi-graph", args.mimi_graph,
+            "--moshi-mimi-convs", args.mimi_convs,
         ]  # fmt: skip
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -386,9 +387,15 @@ def cmd_rtf(args: argparse.Namespace) -> None:
                 time.sleep(0.5)
         startup = time.perf_counter() - t
         summaries = []
+        out = Path(args.out) if args.out else None
+        if out:
+            out.write_text("")
         for sessions in args.sessions:  # each count R times, all on this one server
             for _ in range(args.runs):
                 summaries.append(_run_once(args, sessions, port, proc.pid, 0.0 if summaries else startup))
+                if out:  # a JSON line a run, written as it ends (a cut-off call keeps the runs done)
+                    with out.open("a") as f:
+                        f.write(json.dumps(summaries[-1]) + "\n")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -396,8 +403,6 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    if args.out:  # one JSON object a run, a line each
-        Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in summaries))
 
 
 def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, startup: float) -> dict:
@@ -451,6 +456,7 @@ def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, star
         "mimi_attention": args.mimi_attention,
         "fp32_matmul": args.fp32_matmul,
         "mimi_graph": args.mimi_graph,
+        "mimi_convs": args.mimi_convs,
         "tick_ms": args.tick_ms,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
@@ -559,6 +565,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
     r.add_argument("--fp32-matmul", default="float32", choices=("float32", "tf32"))
     r.add_argument("--mimi-graph", default="whole", choices=("parts", "whole"))
+    r.add_argument("--mimi-convs", default="fused", choices=("stock", "fused"))
     r.add_argument(
         "--tick-ms",
         type=float,

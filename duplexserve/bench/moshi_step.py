@@ -208,20 +208,21 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         getattr(live_attention, default)
     ]
     builds = [
-        (a, d, m, f, g, k)
+        (a, d, m, f, g, c, k)
         for a in args.attention.split(",")
         for d in args.depformer.split(",")
         for m in args.mimi_attention.split(",")
         for f in args.fp32_matmul.split(",")
         for g in args.mimi_graph.split(",")
+        for c in args.mimi_convs.split(",")
         for k in kernels
     ]
-    for attention, depformer, mimi_attention, fp32_matmul, mimi_graph, kernel in builds:
+    for attention, depformer, mimi_attention, fp32_matmul, mimi_graph, mimi_convs, kernel in builds:
         setattr(live_attention, default, kernel)  # read when the CUDA graphs are captured
         engine = MoshiEngine(
             batches[0], args.preset, context=args.context, attention=attention, kv_dtype=args.kv_dtype,
             depformer=depformer, mimi_attention=mimi_attention, fp32_matmul=fp32_matmul,
-            mimi_graph=mimi_graph,
+            mimi_graph=mimi_graph, mimi_convs=mimi_convs,
         )  # fmt: skip
         engine.start()
         for b in batches:
@@ -235,6 +236,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "mimi_attention": mimi_attention,
                     "fp32_matmul": fp32_matmul,
                     "mimi_graph": mimi_graph,
+                    "mimi_convs": mimi_convs,
                     "kernel": str(kernel),
                     **breakdown(engine, b, age, args.steps),
                 }
@@ -247,12 +249,12 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"{'lm/dep/mimi/mm/gr':>14} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
+    print(f"{'lm/dep/mimi/mm/gr/cv':>17} {'B':>4} {'age':>5} {'wall':>6} {'enc':>5} {'main':>5} {'depf':>5} "
           f"{'dec':>5} {'other':>5} {'busy':>5} {'host':>5} {'KVfloor':>7}")  # fmt: skip
-    kinds = ("attention", "depformer_attention", "mimi_attention", "fp32_matmul", "mimi_graph")
+    kinds = ("attention", "depformer_attention", "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs")
     for r in rows:
         print(
-            f"{'/'.join(r[k][:2] for k in kinds):>14} "
+            f"{'/'.join(r[k][:2] for k in kinds):>17} "
             f"{r['batch']:>4} {r['age']:>5} "
             f"{r['step_wall_p50']:6.1f} "
             f"{r['mimi_encode']:5.1f} {r['main_graph']:5.1f} {r['depformer']:5.1f} {r['mimi_decode']:5.1f} "
@@ -683,10 +685,10 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
     saved: tuple[dict, dict] | None = None
     builds = args.mimi_builds.split(",")
     for build in builds:
-        precision, graph = build.split("/")
+        precision, graph, *convs = build.split("/")
         engine = MoshiEngine(
             slots, args.preset, attention="live", mimi_attention=args.mimi_attention, fp32_matmul=precision,
-            mimi_graph=graph,
+            mimi_graph=graph, mimi_convs=convs[0] if convs else "fused",
         )  # fmt: skip
         engine.start()
         if saved is None:
@@ -753,9 +755,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
         p.add_argument("--mimi-graph", default="whole", help="breakdown: parts,whole (one engine each)")
+        p.add_argument("--mimi-convs", default="fused", help="breakdown: stock,fused (one engine each)")
         p.add_argument(
             "--mimi-builds", default="float32/whole,tf32/whole",
-            help="mimi: fp32 matmul/graph,... (each against the first)",
+            help="mimi: fp32 matmul/graph[/convs: stock or fused],... (each against the first)",
         )  # fmt: skip
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--depformer-layers", type=int, default=0, help="kernels: the depformer's depth")

@@ -99,6 +99,7 @@ class MoshiEngine(Engine):
         mimi_attention: str = "live",
         fp32_matmul: str = "float32",
         mimi_graph: str = "whole",
+        mimi_convs: str = "fused",
     ) -> None:
         super().__init__(num_slots)
         source = CheckpointSource(hf_repo, weights, config, lora, tokenizer, preset)
@@ -136,6 +137,9 @@ class MoshiEngine(Engine):
         if mimi_graph not in ("parts", "whole"):
             raise ValueError(f"--moshi-mimi-graph {mimi_graph!r}: parts or whole")
         self.mimi_graph = mimi_graph
+        if mimi_convs not in ("stock", "fused"):
+            raise ValueError(f"--moshi-mimi-convs {mimi_convs!r}: stock or fused")
+        self.mimi_convs = mimi_convs
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
         lm_config = self.preset.lm if self.preset else self.checkpoint.lm_config  # type: ignore[union-attr]
@@ -162,6 +166,7 @@ class MoshiEngine(Engine):
         from duplexserve.engine_bridge.moshi.live_attention import triton_available
         from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
         from duplexserve.engine_bridge.moshi.live_mimi import install_ring_attention
+        from duplexserve.engine_bridge.moshi.mimi_convs import install_fused_convs
         from duplexserve.engine_bridge.moshi.user_steps import drop_user_steps
 
         self._torch = torch
@@ -227,6 +232,8 @@ class MoshiEngine(Engine):
             install_fused_norms(lm)
         if self.mimi_attention == "live" and triton_available(device) and not install_ring_attention(mimi):
             log.warning("moshi engine: this Mimi's transformers cannot take the ring attention; stock")
+        if self.mimi_convs == "fused" and triton_available(device):
+            install_fused_convs(mimi)
         if self.depformer == "lean" and not install_lean_depformer(lm):
             log.warning("moshi engine: this LM's depformer cannot take the unmasked attention; stock")
         self.delay_frames = max(lm.delays)
@@ -788,4 +795,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         mimi_attention=config.moshi_mimi_attention,
         fp32_matmul=config.moshi_fp32_matmul,
         mimi_graph=config.moshi_mimi_graph,
+        mimi_convs=config.moshi_mimi_convs,
     )

@@ -1,0 +1,285 @@
+"""Mimi's SEANet convolutions with the elementwise work around them folded into their
+neighbours (CUDA, Triton), outputs bit for bit the library's.
+
+At 512 rows Mimi's encode and decode are not their convolutions but what surrounds them
+(docs/benchmarks.md, the profile of Mimi at 512 rows): a 512-row activation of 64 channels
+at 24 kHz is 252 MB of float32, and each streaming convolution passes over it several times
+around the one cuDNN call: torch adds the bias in a kernel of its own after cuDNN (a
+broadcast, not vectorized), the ELU before the next convolution reads and writes it all
+again, and ``StreamingConv1d`` concatenates its kept samples to the input (``cat``) before
+cuDNN reads it. Here each convolution runs without its bias, and the next elementwise step
+takes the bias along:
+
+- a convolution's input is written once into the buffer cuDNN reads (``assemble``): the
+  kept samples, then ``elu(t + bias)`` of the step before (each part as that step has it);
+- a residual block's sum is ``x + (t + bias)`` in one kernel (``residual``), reading the
+  input where it lies (the transposed convolutions hand on a strided view);
+- a transposed convolution's output is ``(t + bias) + partial`` in one kernel
+  (``convtr_output``), contiguous.
+
+Each value is computed by the same float operations in the same order as the library's
+(the bias added to cuDNN's output, the ELU as torch's CUDA kernel computes it, ``expm1``
+of libdevice), so the codes and the audio are the library's, bit for bit (``bench
+moshi-step mimi`` checks it on the GPU). The state (kept samples, partial sums) stays the
+library's own tensors, moved as it moves them, so reset and the CUDA graphs are unchanged.
+Outside streaming, on the CPU without Triton, or for a layer this does not know, the
+library's forward runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from moshi.modules.conv import StreamingConv1d, StreamingConvTranspose1d
+from moshi.modules.seanet import SEANetDecoder, SEANetEncoder, SEANetResnetBlock
+from torch import nn
+
+from .live_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+BLOCK = 1024  # samples a program writes (a row of channels x time is split in such blocks)
+# Triton's interpreter (the tests) has no libdevice: there ``expm1`` is ``exp(x) - 1``, a few
+# roundings off where |x| is small; on the GPU it is libdevice's, torch's own.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class _Lazy:
+    """A value not yet written out: ``elu(t + bias)`` (each part where present)."""
+
+    t: torch.Tensor
+    bias: torch.Tensor | None = None
+    elu: bool = False
+
+    def value(self) -> torch.Tensor:
+        if self.bias is None and not self.elu:
+            return self.t
+        return assemble(self.t, self.bias, None, self.elu)
+
+
+def _forward(self: SEANetEncoder | SEANetDecoder, x: torch.Tensor) -> torch.Tensor:
+    """A SEANet encoder's or decoder's ``forward``, its layers walked by ``_walk`` while streaming."""
+    if not _streams(self.model):
+        return self.model(x)
+    return _walk(self.model, _Lazy(x)).value()
+
+
+class FusedSEANetEncoder(SEANetEncoder):
+    forward = _forward
+
+
+class FusedSEANetDecoder(SEANetDecoder):
+    forward = _forward
+
+
+def install_fused_convs(mimi: Any) -> bool:
+    """Give Mimi's SEANet encoder and decoder the fused forward; False where it has neither.
+    The kernels are Triton's: call it only where ``triton_available`` (or under
+    ``TRITON_INTERPRET=1``, the tests)."""
+    fused = {SEANetEncoder: FusedSEANetEncoder, SEANetDecoder: FusedSEANetDecoder}
+    modules = [m for m in (getattr(mimi, "encoder", None), getattr(mimi, "decoder", None))
+               if type(m) in fused]  # fmt: skip
+    for module in modules:
+        module.__class__ = fused[type(module)]
+    return bool(modules)
+
+
+def _streams(model: nn.Module) -> bool:
+    return any(getattr(m, "_streaming_state", None) is not None for m in model.modules())
+
+
+def _walk(layers: nn.Sequential, x: _Lazy) -> _Lazy:
+    """``layers(x)`` with each bias and ELU carried to the step that can take it along."""
+    for layer in layers:
+        kind = type(layer)
+        if kind is nn.ELU and layer.alpha == 1.0:
+            x = _Lazy(x.value(), elu=True) if x.elu else _Lazy(x.t, x.bias, True)
+        elif kind is StreamingConv1d and _conv_fits(layer):
+            x = _conv(layer, x)
+        elif kind is StreamingConvTranspose1d and _convtr_fits(layer, x.t):
+            x = _Lazy(_convtr(layer, x.value()))
+        elif kind is SEANetResnetBlock and type(layer.shortcut) is nn.Identity:
+            inner = x.value()
+            y = _walk(layer.block, _Lazy(inner))
+            x = _Lazy(residual(inner, y.t, y.bias) if not y.elu else inner + y.value())
+        else:
+            x = _Lazy(layer(x.value()))
+    return x
+
+
+def _conv_fits(layer: StreamingConv1d) -> bool:
+    state = layer._streaming_state
+    return state is not None and layer.pad_mode == "constant" and layer.conv.conv.padding_mode == "zeros"
+
+
+def _conv(layer: StreamingConv1d, x: _Lazy) -> _Lazy:
+    """moshi's ``StreamingConv1d.forward`` (constant padding): the kept samples and the input
+    written once into cuDNN's input, the output without its bias (handed on)."""
+    state = layer._streaming_state
+    conv = layer.conv.conv
+    kept = state.previous.shape[-1]
+    assert x.t.shape[-1] % conv.stride[0] == 0, "Steps must be multiple of stride"
+    joined = assemble(x.t, x.bias, state.previous if kept else None, x.elu)
+    y = conv._conv_forward(joined, conv.weight, None)
+    if kept:
+        state.previous[:] = torch.where(state.exec_mask.view(-1, 1, 1), joined[..., -kept:], state.previous)
+    return _Lazy(y, conv.bias)
+
+
+def _convtr_fits(layer: StreamingConvTranspose1d, x: torch.Tensor) -> bool:
+    state = layer._streaming_state
+    if state is None:
+        return False
+    tail = state.partial.shape[-1]
+    return 0 < tail <= x.shape[-1] * layer._stride  # the kept tail and the carried head apart
+
+
+def _convtr(layer: StreamingConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    """moshi's ``StreamingConvTranspose1d.forward``: the partial sums of the last step added and
+    this step's kept, as the library does, the output written once, contiguous."""
+    state = layer._streaming_state
+    convtr = layer.convtr.convtr
+    tail = state.partial.shape[-1]
+    t = nn.functional.conv_transpose1d(
+        x, convtr.weight, None, convtr.stride, convtr.padding, convtr.output_padding, convtr.groups,
+        convtr.dilation,
+    )  # fmt: skip
+    y = convtr_output(t, convtr.bias, state.partial)
+    kept = t[..., -tail:]
+    if convtr.bias is not None:  # the library's ``(t + bias) - bias``
+        kept = (kept + convtr.bias[:, None]) - convtr.bias[:, None]
+    state.partial[:] = torch.where(state.exec_mask.view(-1, 1, 1), kept, state.partial)
+    return y
+
+
+def assemble(
+    t: torch.Tensor, bias: torch.Tensor | None, previous: torch.Tensor | None, elu: bool
+) -> torch.Tensor:
+    """``cat([previous, f(t)], -1)``, contiguous, where ``f(t) = elu(t + bias)`` (the bias over
+    channels; each part where given). ``t`` is ``[B, C, T]`` with any strides."""
+    b, c, n = t.shape
+    kept = 0 if previous is None else previous.shape[-1]
+    out = torch.empty((b, c, kept + n), device=t.device, dtype=t.dtype)
+    if previous is not None:
+        assert previous.is_contiguous() and previous.shape[:2] == (b, c)
+    grid, tile = _tiles(b * c, kept + n)
+    _assemble[grid](
+        t, t if bias is None else bias, t if previous is None else previous, out, b * c, c, kept, n,
+        *t.stride(), HAS_BIAS=bias is not None, ELU=elu, **tile,
+    )  # fmt: skip
+    return out
+
+
+def residual(x: torch.Tensor, t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + (t + bias)``, contiguous; ``x`` and ``t`` ``[B, C, T]`` with any strides."""
+    b, c, n = t.shape
+    assert x.shape == t.shape
+    out = torch.empty((b, c, n), device=t.device, dtype=t.dtype)
+    grid, tile = _tiles(b * c, n)
+    _residual[grid](
+        x, t, t if bias is None else bias, out, b * c, c, n, *x.stride(), *t.stride(),
+        HAS_BIAS=bias is not None, **tile,
+    )  # fmt: skip
+    return out
+
+
+def convtr_output(t: torch.Tensor, bias: torch.Tensor | None, partial: torch.Tensor) -> torch.Tensor:
+    """``(t + bias)[..., :n]`` with ``partial`` added to its first samples, contiguous, where ``t``
+    is a transposed convolution's ``[B, C, n + P]`` output and ``partial`` ``[B, C, P]``."""
+    b, c, total = t.shape
+    tail = partial.shape[-1]
+    n = total - tail
+    assert partial.is_contiguous() and partial.shape[:2] == (b, c) and tail <= n
+    out = torch.empty((b, c, n), device=t.device, dtype=t.dtype)
+    grid, tile = _tiles(b * c, n)
+    _convtr_output[grid](
+        t, t if bias is None else bias, partial, out, b * c, c, tail, n, *t.stride(),
+        HAS_BIAS=bias is not None, **tile,
+    )  # fmt: skip
+    return out
+
+
+def _tiles(rows: int, width: int) -> tuple[tuple[int, int], dict[str, int]]:
+    """A grid of ``ROWS x COLS`` tiles of about ``BLOCK`` values over ``rows`` rows of ``width``:
+    a short row (the deep layers': 512 channels of a few samples) shares its program with others."""
+    cols = min(BLOCK, triton.next_power_of_2(width))
+    per = max(1, BLOCK // cols)
+    return (triton.cdiv(rows, per), triton.cdiv(width, cols)), {"ROWS": per, "COLS": cols}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rows(T, C_, r, stride_b, stride_c):
+        """The first element of each row ``r`` (``b * C + c``) of a ``[B, C, ...]`` tensor."""
+        return T + (r // C_).to(tl.int64) * stride_b + (r % C_).to(tl.int64) * stride_c
+
+    @triton.jit
+    def _tile(rows, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """This program's rows (``[ROWS, 1]``), whether each is one, and columns (``[1, COLS]``)."""
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+        i = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
+        return r, r < rows, i
+
+    _EXACT_EXPM1 = tl.constexpr(not _INTERPRETED)
+
+    @triton.jit
+    def _elu(v):
+        """torch's CUDA ELU (alpha 1): ``x > 0 ? x : expm1(x)``."""
+        if _EXACT_EXPM1:  # noqa: SIM108 (a constexpr branch: the other is not compiled)
+            e = libdevice.expm1(v)
+        else:
+            e = tl.exp(v) - 1.0
+        return tl.where(v > 0, v, e)
+
+    @triton.jit
+    def _plus_bias(v, BIAS, r, live, c, HAS_BIAS: tl.constexpr):
+        if HAS_BIAS:
+            v = v + tl.load(BIAS + r % c, mask=live, other=0.0)
+        return v
+
+    @triton.jit
+    def _assemble(
+        T, BIAS, PREV, OUT, rows, c, kept, n, stride_b, stride_c, stride_t,
+        HAS_BIAS: tl.constexpr, ELU: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    ) -> None:  # fmt: skip
+        """A tile of the joined input: kept samples, then ``elu(t + bias)``."""
+        r, live, i = _tile(rows, ROWS, COLS)
+        width = kept + n
+        old = live & (i < kept)
+        new = live & (i >= kept) & (i < width)
+        at = _rows(T, c, r, stride_b, stride_c) + (i - kept).to(tl.int64) * stride_t
+        v = _plus_bias(tl.load(at, mask=new, other=0.0), BIAS, r, live, c, HAS_BIAS)
+        if ELU:
+            v = _elu(v)
+        p = tl.load(PREV + r.to(tl.int64) * kept + i, mask=old, other=0.0)
+        tl.store(OUT + r.to(tl.int64) * width + i, tl.where(i < kept, p, v), mask=live & (i < width))
+
+    @triton.jit
+    def _residual(
+        X, T, BIAS, OUT, rows, c, n, sx_b, sx_c, sx_t, st_b, st_c, st_t,
+        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    ) -> None:  # fmt: skip
+        r, live, i = _tile(rows, ROWS, COLS)
+        keep = live & (i < n)
+        x = tl.load(_rows(X, c, r, sx_b, sx_c) + i.to(tl.int64) * sx_t, mask=keep, other=0.0)
+        v = tl.load(_rows(T, c, r, st_b, st_c) + i.to(tl.int64) * st_t, mask=keep, other=0.0)
+        tl.store(OUT + r.to(tl.int64) * n + i, x + _plus_bias(v, BIAS, r, live, c, HAS_BIAS), mask=keep)
+
+    @triton.jit
+    def _convtr_output(
+        T, BIAS, PART, OUT, rows, c, tail, n, stride_b, stride_c, stride_t,
+        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    ) -> None:  # fmt: skip
+        r, live, i = _tile(rows, ROWS, COLS)
+        keep = live & (i < n)
+        v = tl.load(_rows(T, c, r, stride_b, stride_c) + i.to(tl.int64) * stride_t, mask=keep, other=0.0)
+        v = _plus_bias(v, BIAS, r, live, c, HAS_BIAS)
+        p = tl.load(PART + r.to(tl.int64) * tail + i, mask=keep & (i < tail), other=0.0)
+        tl.store(OUT + r.to(tl.int64) * n + i, tl.where(i < tail, v + p, v), mask=keep)
