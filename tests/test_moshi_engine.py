@@ -243,19 +243,25 @@ def test_the_moshi_engine_on_a_gpu_runs_in_its_own_process_unless_told_not_to():
     assert config("--engine-process").engine_in_process
 
 
-def test_mimi_graph_reaches_the_engine_and_a_bad_value_is_refused():
+@pytest.mark.parametrize(
+    "name, other, default, refused",
+    [("mimi_graph", "parts", "whole", "parts or whole"), ("mimi_convs", "stock", "fused", "stock or fused")],
+)
+def test_mimi_options_reach_the_engine_and_a_bad_value_is_refused(
+    name: str, other: str, default: str, refused: str
+) -> None:
     import argparse
 
     from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
 
     parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(parser)
-    flags = ["--engine", "moshi", "--moshi-mimi-graph", "parts"]
+    flags = ["--engine", "moshi", f"--moshi-{name.replace('_', '-')}", other]
     config = ServerConfig.from_namespace(parser.parse_args(flags))
-    assert moshi_engine_from_config(config).mimi_graph == "parts"
-    assert MoshiEngine(1).mimi_graph == "whole"
-    with pytest.raises(ValueError, match="parts or whole"):
-        MoshiEngine(1, mimi_graph="all")
+    assert getattr(moshi_engine_from_config(config), name) == other
+    assert getattr(MoshiEngine(1), name) == default
+    with pytest.raises(ValueError, match=refused):
+        MoshiEngine(1, **{name: "all"})
 
 
 def test_fp32_matmul_reaches_the_engine_and_sets_torchs_precision():
