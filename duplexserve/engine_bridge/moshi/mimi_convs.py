@@ -43,7 +43,7 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-BLOCK = 1024  # samples a program writes (a row of channels x time is split in such blocks)
+BLOCK = 1024  # values a program writes: a tile of channel rows x samples (``_tiles``)
 # Triton's interpreter (the tests) has no libdevice: there ``expm1`` is ``exp(x) - 1``, a few
 # roundings off where |x| is small; on the GPU it is libdevice's, torch's own.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
