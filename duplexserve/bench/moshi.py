@@ -386,16 +386,13 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             except OSError:
                 time.sleep(0.5)
         startup = time.perf_counter() - t
-        summaries = []
-        out = Path(args.out) if args.out else None
-        if out:
-            out.write_text("")
-        for sessions in args.sessions:  # each count R times, all on this one server
-            for _ in range(args.runs):
-                summaries.append(_run_once(args, sessions, port, proc.pid, 0.0 if summaries else startup))
-                if out:  # a JSON line a run, written as it ends (a cut-off call keeps the runs done)
-                    with out.open("a") as f:
-                        f.write(json.dumps(summaries[-1]) + "\n")
+        # a JSON line a run, written as it ends (a cut-off call keeps the runs done)
+        with open(args.out or os.devnull, "w") as out:
+            for sessions in args.sessions:  # each count R times, all on this one server
+                for _ in range(args.runs):
+                    out.write(json.dumps(_run_once(args, sessions, port, proc.pid, startup)) + "\n")
+                    out.flush()
+                    startup = 0.0  # the server's start counts in the first run's line only
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
