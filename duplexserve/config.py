@@ -151,8 +151,9 @@ class ServerConfig:
         "fused",
         "moshi engine: Mimi's streaming convolutions with their bias, ELU, kept samples and residual"
         " sums each folded into one pass (fused: CUDA with Triton; outputs bit for bit the library's)"
-        " or op by op as the library runs them (stock; what the CPU always runs)",
-        ("stock", "fused"),
+        " or op by op as the library runs them (stock; what the CPU always runs); fused-cl: fused, the"
+        " inputs written channels last so that cuDNN converts none between layouts",
+        ("stock", "fused", "fused-cl"),
     )
     moshi_depformer: str = _opt(
         "lean",

@@ -8,7 +8,7 @@
 #                           8, 32, 128 and 384 slots, hibiki-2b, int8 ring (issue 37)
 #   steps-MODEL[-int8]      step time against batch size ($STEPS_BATCHES, default
 #                           64,128,256,384,512), MODEL as in rtf-MODEL-N
-#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-convstock][-ctxC][-tickT][-xR]
+#   rtf-MODEL-N[-process][-stock][-int8][-depstock][-mimistock][-tf32][-mimiparts][-convstock][-convcl][-ctxC][-tickT][-xR]
 #                           paced RTF run, MODEL a preset's name without its dashes (moshi7b,
 #                           hibiki2b, hibikizero3b, hibiki2bclass) or hibiki (hibiki-2b), zero3b
 #                           (hibiki-zero-3b), hibikiclass (hibiki-2b-class); N sessions (N,M,...:
@@ -18,7 +18,8 @@
 #                           attention (--moshi-mimi-attention stock), Mimi's float32
 #                           matmuls as TF32 (--moshi-fp32-matmul tf32), Mimi's CUDA graphs as
 #                           the library has them (--moshi-mimi-graph parts), Mimi's convolutions
-#                           op by op as the library runs them (--moshi-mimi-convs stock), LM context C,
+#                           op by op as the library runs them (--moshi-mimi-convs stock) or fused
+#                           with channels-last inputs (--moshi-mimi-convs fused-cl), LM context C,
 #                           the engine's step clock T ms (default 0: step at once; 80: one frame),
 #                           R runs one after another on one server start (a line each)
 #   breakdown | attention | agreement | mimi | ring
@@ -96,6 +97,7 @@ for spec in "$@"; do
         [ "$extra" = tf32 ] && flags+=(--fp32-matmul tf32)
         [ "$extra" = mimiparts ] && flags+=(--mimi-graph parts)
         [ "$extra" = convstock ] && flags+=(--mimi-convs stock)
+        [ "$extra" = convcl ] && flags+=(--mimi-convs fused-cl)
         [[ "$extra" == ctx* ]] && flags+=(--context "${extra#ctx}")
         [[ "$extra" == tick* ]] && flags+=(--tick-ms "${extra#tick}")
         [[ "$extra" == x[0-9]* ]] && flags+=(--runs "${extra#x}")

@@ -22,7 +22,10 @@ CHECKS = textwrap.dedent(
 
     torch.manual_seed(0)
     mimi_convs.BLOCK = 16  # rows of several blocks, a block across the kept samples' end
-    for dtype in (torch.float32, torch.float64):
+    def laid_out(got, cl):  # contiguous, or channels last ([B, T, C] in memory)
+        return (got.transpose(1, 2) if cl else got).is_contiguous()
+
+    for dtype, cl in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):
         big = torch.randn(3, 40, 5, dtype=dtype)
         strided = [big[:, :, 1].reshape(3, 5, 8), big.permute(0, 2, 1)[:, :4]]
         cases = [torch.randn(2, 3, 37, dtype=dtype), *strided]
@@ -37,31 +40,35 @@ CHECKS = textwrap.dedent(
                         if elu:
                             v = torch.nn.functional.elu(v)
                         want = v if previous is None else torch.cat([previous, v], -1)
-                        got = assemble(t, bias if with_bias else None, previous, elu)
-                        assert got.is_contiguous() and got.shape == want.shape
+                        got = assemble(t, bias if with_bias else None, previous, elu, cl)
+                        assert laid_out(got, cl) and got.shape == want.shape
                         if elu:  # the interpreter's exp(x) - 1 for expm1: a few roundings of 1 off
                             eps = torch.finfo(dtype).eps
                             assert torch.allclose(got, want, rtol=4 * eps, atol=4 * eps), dtype
                         else:
                             assert torch.equal(got, want)
             x = torch.randn(b, c, n, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)  # strided
-            assert torch.equal(residual(x, t, bias), x + (t + bias[:, None]))
-            assert torch.equal(residual(x, t, None), x + t)
+            got = residual(x, t, bias, cl)
+            assert laid_out(got, cl) and torch.equal(got, x + (t + bias[:, None]))
+            assert torch.equal(residual(x, t, None, cl), x + t)
             for tail in (1, 4):
                 partial = torch.randn(b, c, tail, dtype=dtype)
                 want = (t + bias[:, None]).clone()
                 want[..., :tail] += partial
-                assert torch.equal(convtr_output(t, bias, partial), want[..., : n - tail])
+                got = convtr_output(t, bias, partial, cl)
+                assert laid_out(got, cl) and torch.equal(got, want[..., : n - tail])
     print("kernels exact")
 
-    # Mimi streaming, float64 and float32: the latent, the codes and the decoded audio, rows idle
-    # or reset at random, against stock moshi on the same weights.
+    # Mimi streaming, float64 and float32, the convolutions' inputs contiguous or channels last:
+    # the latent, the codes and the decoded audio, rows idle or reset at random, against stock
+    # moshi on the same weights. (On the CPU a channels-last convolution sums in another order.)
     mimi_convs.BLOCK = 1024
-    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+    builds = ((torch.float64, 1e-12, False), (torch.float32, 1e-5, False), (torch.float64, 1e-12, True))
+    for dtype, tolerance, cl in builds:
         stock = loaders.get_mimi(None, TINY_MIMI, device="cpu", num_codebooks=4).to(dtype)
         fused = loaders.get_mimi(None, TINY_MIMI, device="cpu", num_codebooks=4).to(dtype)
         fused.load_state_dict(stock.state_dict())
-        assert install_fused_convs(fused)
+        assert install_fused_convs(fused, channels_last=cl)
         assert type(fused.encoder) is mimi_convs.FusedSEANetEncoder
         assert type(fused.decoder) is mimi_convs.FusedSEANetDecoder
         batch = 3
@@ -89,7 +96,7 @@ CHECKS = textwrap.dedent(
         for a, b, what in ((latent, f_latent, "latent"), (pcm, f_pcm, "audio")):
             err = ((a - b).abs().max() / a.abs().max()).item()
             assert 0 <= err < tolerance, (dtype, what, err)
-            print("mimi", dtype, what, "max error", err)
+            print("mimi", dtype, "channels last" if cl else "", what, "max error", err)
         # outside streaming (the codec's batch encode), the library's forward
         pcm = torch.randn(2, 1, 3840, generator=rng).to(dtype)
         with torch.no_grad():
@@ -104,4 +111,4 @@ def test_fused_mimi_convs_match_stock() -> None:
     pytest.importorskip("triton")
     out = run_interpreted(CHECKS, timeout=540)
     assert "kernels exact" in out
-    assert out.count("mimi") >= 4
+    assert out.count("mimi") >= 6

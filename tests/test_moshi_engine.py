@@ -245,7 +245,10 @@ def test_the_moshi_engine_on_a_gpu_runs_in_its_own_process_unless_told_not_to():
 
 @pytest.mark.parametrize(
     "name, other, default, refused",
-    [("mimi_graph", "parts", "whole", "parts or whole"), ("mimi_convs", "stock", "fused", "stock or fused")],
+    [
+        ("mimi_graph", "parts", "whole", "parts or whole"),
+        ("mimi_convs", "fused-cl", "fused", "stock, fused or fused-cl"),
+    ],
 )
 def test_mimi_options_reach_the_engine_and_a_bad_value_is_refused(
     name: str, other: str, default: str, refused: str

@@ -562,7 +562,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
     r.add_argument("--fp32-matmul", default="float32", choices=("float32", "tf32"))
     r.add_argument("--mimi-graph", default="whole", choices=("parts", "whole"))
-    r.add_argument("--mimi-convs", default="fused", choices=("stock", "fused"))
+    r.add_argument("--mimi-convs", default="fused", choices=("stock", "fused", "fused-cl"))
     r.add_argument(
         "--tick-ms",
         type=float,

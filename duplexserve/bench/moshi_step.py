@@ -755,10 +755,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--mimi-attention", default="live", help="breakdown: stock,live (each its own engine)")
         p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
         p.add_argument("--mimi-graph", default="whole", help="breakdown: parts,whole (one engine each)")
-        p.add_argument("--mimi-convs", default="fused", help="breakdown: stock,fused (one engine each)")
+        p.add_argument("--mimi-convs", default="fused", help="breakdown: stock,fused,fused-cl (each)")
         p.add_argument(
             "--mimi-builds", default="float32/whole,tf32/whole",
-            help="mimi: fp32 matmul/graph[/convs: stock or fused],... (each against the first)",
+            help="mimi: fp32 matmul/graph[/convs: stock, fused or fused-cl],... (each against the first)",
         )  # fmt: skip
         p.add_argument("--context", type=int, default=0)
         p.add_argument("--depformer-layers", type=int, default=0, help="kernels: the depformer's depth")

@@ -137,8 +137,8 @@ class MoshiEngine(Engine):
         if mimi_graph not in ("parts", "whole"):
             raise ValueError(f"--moshi-mimi-graph {mimi_graph!r}: parts or whole")
         self.mimi_graph = mimi_graph
-        if mimi_convs not in ("stock", "fused"):
-            raise ValueError(f"--moshi-mimi-convs {mimi_convs!r}: stock or fused")
+        if mimi_convs not in ("stock", "fused", "fused-cl"):
+            raise ValueError(f"--moshi-mimi-convs {mimi_convs!r}: stock, fused or fused-cl")
         self.mimi_convs = mimi_convs
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
@@ -232,8 +232,8 @@ class MoshiEngine(Engine):
             install_fused_norms(lm)
         if self.mimi_attention == "live" and triton_available(device) and not install_ring_attention(mimi):
             log.warning("moshi engine: this Mimi's transformers cannot take the ring attention; stock")
-        if self.mimi_convs == "fused" and triton_available(device):
-            install_fused_convs(mimi)
+        if self.mimi_convs != "stock" and triton_available(device):
+            install_fused_convs(mimi, channels_last=self.mimi_convs == "fused-cl")
         if self.depformer == "lean" and not install_lean_depformer(lm):
             log.warning("moshi engine: this LM's depformer cannot take the unmasked attention; stock")
         self.delay_frames = max(lm.delays)

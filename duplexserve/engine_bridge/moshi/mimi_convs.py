@@ -57,36 +57,42 @@ class _Lazy:
     bias: torch.Tensor | None = None
     elu: bool = False
 
-    def value(self) -> torch.Tensor:
+    def value(self, channels_last: bool = False) -> torch.Tensor:
+        """The value, written out where a part is pending (channels last if asked: cuDNN's input)."""
         if self.bias is None and not self.elu:
             return self.t
-        return assemble(self.t, self.bias, None, self.elu)
+        return assemble(self.t, self.bias, None, self.elu, channels_last)
 
 
 def _forward(self: SEANetEncoder | SEANetDecoder, x: torch.Tensor) -> torch.Tensor:
     """A SEANet encoder's or decoder's ``forward``, its layers walked by ``_walk`` while streaming."""
     if not _streams(self.model):
         return self.model(x)
-    return _walk(self.model, _Lazy(x)).value()
+    return _walk(self.model, _Lazy(x), self._channels_last).value().contiguous()
 
 
 class FusedSEANetEncoder(SEANetEncoder):
     forward = _forward
+    _channels_last = False
 
 
 class FusedSEANetDecoder(SEANetDecoder):
     forward = _forward
+    _channels_last = False
 
 
-def install_fused_convs(mimi: Any) -> bool:
+def install_fused_convs(mimi: Any, channels_last: bool = False) -> bool:
     """Give Mimi's SEANet encoder and decoder the fused forward; False where it has neither.
-    The kernels are Triton's: call it only where ``triton_available`` (or under
-    ``TRITON_INTERPRET=1``, the tests)."""
+    ``channels_last``: the convolutions' inputs are written channels last (``[B, T, C]`` in
+    memory) and cuDNN runs them as 2-D convolutions in that layout, so that it does not convert
+    each input and output between layouts around its kernel. The kernels are Triton's: call it
+    only where ``triton_available`` (or under ``TRITON_INTERPRET=1``, the tests)."""
     fused = {SEANetEncoder: FusedSEANetEncoder, SEANetDecoder: FusedSEANetDecoder}
     modules = [m for m in (getattr(mimi, "encoder", None), getattr(mimi, "decoder", None))
                if type(m) in fused]  # fmt: skip
     for module in modules:
         module.__class__ = fused[type(module)]
+        module._channels_last = channels_last
     return bool(modules)
 
 
@@ -94,20 +100,21 @@ def _streams(model: nn.Module) -> bool:
     return any(getattr(m, "_streaming_state", None) is not None for m in model.modules())
 
 
-def _walk(layers: nn.Sequential, x: _Lazy) -> _Lazy:
-    """``layers(x)`` with each bias and ELU carried to the step that can take it along."""
+def _walk(layers: nn.Sequential, x: _Lazy, cl: bool) -> _Lazy:
+    """``layers(x)`` with each bias and ELU carried to the step that can take it along; ``cl``:
+    the convolutions run channels last."""
     for layer in layers:
         kind = type(layer)
         if kind is nn.ELU and layer.alpha == 1.0:
-            x = _Lazy(x.value(), elu=True) if x.elu else _Lazy(x.t, x.bias, True)
+            x = _Lazy(x.value(cl), elu=True) if x.elu else _Lazy(x.t, x.bias, True)
         elif kind is StreamingConv1d and _conv_fits(layer):
-            x = _conv(layer, x)
+            x = _conv(layer, x, cl)
         elif kind is StreamingConvTranspose1d and _convtr_fits(layer, x.t):
-            x = _Lazy(_convtr(layer, x.value()))
+            x = _Lazy(_convtr(layer, x.value(cl), cl))
         elif kind is SEANetResnetBlock and type(layer.shortcut) is nn.Identity:
-            inner = x.value()
-            y = _walk(layer.block, _Lazy(inner))
-            x = _Lazy(residual(inner, y.t, y.bias) if not y.elu else inner + y.value())
+            inner = x.value(cl)
+            y = _walk(layer.block, _Lazy(inner), cl)
+            x = _Lazy(residual(inner, y.t, y.bias, cl) if not y.elu else inner + y.value())
         else:
             x = _Lazy(layer(x.value()))
     return x
@@ -118,18 +125,36 @@ def _conv_fits(layer: StreamingConv1d) -> bool:
     return state is not None and layer.pad_mode == "constant" and layer.conv.conv.padding_mode == "zeros"
 
 
-def _conv(layer: StreamingConv1d, x: _Lazy) -> _Lazy:
+def _conv(layer: StreamingConv1d, x: _Lazy, cl: bool) -> _Lazy:
     """moshi's ``StreamingConv1d.forward`` (constant padding): the kept samples and the input
     written once into cuDNN's input, the output without its bias (handed on)."""
     state = layer._streaming_state
     conv = layer.conv.conv
     kept = state.previous.shape[-1]
     assert x.t.shape[-1] % conv.stride[0] == 0, "Steps must be multiple of stride"
-    joined = assemble(x.t, x.bias, state.previous if kept else None, x.elu)
-    y = conv._conv_forward(joined, conv.weight, None)
+    joined = assemble(x.t, x.bias, state.previous if kept else None, x.elu, cl)
+    if cl:  # torch runs a 3-D input contiguous: a 2-D convolution keeps the layout
+        y = nn.functional.conv2d(
+            joined.unsqueeze(2), _weight_2d(conv), None, (1, conv.stride[0]), 0, (1, conv.dilation[0]),
+            conv.groups,
+        ).squeeze(2)  # fmt: skip
+    else:
+        y = conv._conv_forward(joined, conv.weight, None)
     if kept:
         state.previous[:] = torch.where(state.exec_mask.view(-1, 1, 1), joined[..., -kept:], state.previous)
     return _Lazy(y, conv.bias)
+
+
+def _weight_2d(conv: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
+    """The weight as a channels-last ``[O, I, 1, K]``, made again only if the weight changed (made
+    in the warm-up steps, before Mimi's CUDA graphs are captured)."""
+    w = conv.weight
+    key = (w.data_ptr(), w._version, w.dtype)
+    cached = getattr(conv, "_duplexserve_weight_2d", None)
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
+        conv._duplexserve_weight_2d = cached
+    return cached[1]
 
 
 def _convtr_fits(layer: StreamingConvTranspose1d, x: torch.Tensor) -> bool:
@@ -140,17 +165,23 @@ def _convtr_fits(layer: StreamingConvTranspose1d, x: torch.Tensor) -> bool:
     return 0 < tail <= x.shape[-1] * layer._stride  # the kept tail and the carried head apart
 
 
-def _convtr(layer: StreamingConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+def _convtr(layer: StreamingConvTranspose1d, x: torch.Tensor, cl: bool) -> torch.Tensor:
     """moshi's ``StreamingConvTranspose1d.forward``: the partial sums of the last step added and
-    this step's kept, as the library does, the output written once, contiguous."""
+    this step's kept, as the library does, the output written once."""
     state = layer._streaming_state
     convtr = layer.convtr.convtr
     tail = state.partial.shape[-1]
-    t = nn.functional.conv_transpose1d(
-        x, convtr.weight, None, convtr.stride, convtr.padding, convtr.output_padding, convtr.groups,
-        convtr.dilation,
-    )  # fmt: skip
-    y = convtr_output(t, convtr.bias, state.partial)
+    if cl:
+        t = nn.functional.conv_transpose2d(
+            x.unsqueeze(2), _weight_2d(convtr), None, (1, convtr.stride[0]), (0, convtr.padding[0]),
+            (0, convtr.output_padding[0]), convtr.groups, (1, convtr.dilation[0]),
+        ).squeeze(2)  # fmt: skip
+    else:
+        t = nn.functional.conv_transpose1d(
+            x, convtr.weight, None, convtr.stride, convtr.padding, convtr.output_padding, convtr.groups,
+            convtr.dilation,
+        )  # fmt: skip
+    y = convtr_output(t, convtr.bias, state.partial, cl)
     kept = t[..., -tail:]
     if convtr.bias is not None:  # the library's ``(t + bias) - bias``
         kept = (kept + convtr.bias[:, None]) - convtr.bias[:, None]
@@ -158,74 +189,94 @@ def _convtr(layer: StreamingConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _empty(b: int, c: int, n: int, like: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """A ``[B, C, n]`` tensor, contiguous or channels last (``[B, n, C]`` in memory)."""
+    if channels_last:
+        return torch.empty((b, n, c), device=like.device, dtype=like.dtype).transpose(1, 2)
+    return torch.empty((b, c, n), device=like.device, dtype=like.dtype)
+
+
 def assemble(
-    t: torch.Tensor, bias: torch.Tensor | None, previous: torch.Tensor | None, elu: bool
-) -> torch.Tensor:
-    """``cat([previous, f(t)], -1)``, contiguous, where ``f(t) = elu(t + bias)`` (the bias over
-    channels; each part where given). ``t`` is ``[B, C, T]`` with any strides."""
+    t: torch.Tensor, bias: torch.Tensor | None, previous: torch.Tensor | None, elu: bool,
+    channels_last: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``cat([previous, f(t)], -1)``, contiguous or channels last, where ``f(t) = elu(t + bias)``
+    (the bias over channels; each part where given). ``t`` is ``[B, C, T]`` with any strides."""
     b, c, n = t.shape
     kept = 0 if previous is None else previous.shape[-1]
-    out = torch.empty((b, c, kept + n), device=t.device, dtype=t.dtype)
+    out = _empty(b, c, kept + n, t, channels_last)
     if previous is not None:
         assert previous.is_contiguous() and previous.shape[:2] == (b, c)
-    grid, tile = _tiles(b * c, kept + n)
+    grid, tile = _tiles(b, c, kept + n, channels_last)
     _assemble[grid](
-        t, t if bias is None else bias, t if previous is None else previous, out, b * c, c, kept, n,
-        *t.stride(), HAS_BIAS=bias is not None, ELU=elu, **tile,
+        t, t if bias is None else bias, t if previous is None else previous, out, c, kept, n,
+        *t.stride(), *out.stride(), HAS_BIAS=bias is not None, ELU=elu, **tile,
     )  # fmt: skip
     return out
 
 
-def residual(x: torch.Tensor, t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + (t + bias)``, contiguous; ``x`` and ``t`` ``[B, C, T]`` with any strides."""
+def residual(
+    x: torch.Tensor, t: torch.Tensor, bias: torch.Tensor | None, channels_last: bool = False
+) -> torch.Tensor:
+    """``x + (t + bias)``, contiguous or channels last; ``x`` and ``t`` ``[B, C, T]``, any strides."""
     b, c, n = t.shape
     assert x.shape == t.shape
-    out = torch.empty((b, c, n), device=t.device, dtype=t.dtype)
-    grid, tile = _tiles(b * c, n)
+    out = _empty(b, c, n, t, channels_last)
+    grid, tile = _tiles(b, c, n, channels_last)
     _residual[grid](
-        x, t, t if bias is None else bias, out, b * c, c, n, *x.stride(), *t.stride(),
+        x, t, t if bias is None else bias, out, c, n, *x.stride(), *t.stride(), *out.stride(),
         HAS_BIAS=bias is not None, **tile,
     )  # fmt: skip
     return out
 
 
-def convtr_output(t: torch.Tensor, bias: torch.Tensor | None, partial: torch.Tensor) -> torch.Tensor:
-    """``(t + bias)[..., :n]`` with ``partial`` added to its first samples, contiguous, where ``t``
-    is a transposed convolution's ``[B, C, n + P]`` output and ``partial`` ``[B, C, P]``."""
+def convtr_output(
+    t: torch.Tensor, bias: torch.Tensor | None, partial: torch.Tensor, channels_last: bool = False
+) -> torch.Tensor:
+    """``(t + bias)[..., :n]`` with ``partial`` added to its first samples, contiguous or channels
+    last, where ``t`` is a transposed convolution's ``[B, C, n + P]`` output (any strides) and
+    ``partial`` ``[B, C, P]``."""
     b, c, total = t.shape
     tail = partial.shape[-1]
     n = total - tail
     assert partial.is_contiguous() and partial.shape[:2] == (b, c) and tail <= n
-    out = torch.empty((b, c, n), device=t.device, dtype=t.dtype)
-    grid, tile = _tiles(b * c, n)
+    out = _empty(b, c, n, t, channels_last)
+    grid, tile = _tiles(b, c, n, channels_last)
     _convtr_output[grid](
-        t, t if bias is None else bias, partial, out, b * c, c, tail, n, *t.stride(),
+        t, t if bias is None else bias, partial, out, c, tail, n, *t.stride(), *out.stride(),
         HAS_BIAS=bias is not None, **tile,
     )  # fmt: skip
     return out
 
 
-def _tiles(rows: int, width: int) -> tuple[tuple[int, int], dict[str, int]]:
-    """A grid of ``ROWS x COLS`` tiles of about ``BLOCK`` values over ``rows`` rows of ``width``:
-    a short row (the deep layers': 512 channels of a few samples) shares its program with others."""
-    cols = min(BLOCK, triton.next_power_of_2(width))
-    per = max(1, BLOCK // cols)
-    return (triton.cdiv(rows, per), triton.cdiv(width, cols)), {"ROWS": per, "COLS": cols}
+def _tiles(b: int, c: int, width: int, channels_last: bool) -> tuple[tuple[int, int, int], dict[str, int]]:
+    """A grid of ``CH x COLS`` tiles (channels x samples) of about ``BLOCK`` values, a row's
+    batch to each program's first axis: the tile runs along the output's contiguous axis first
+    (samples, or channels where channels last), so that its stores coalesce."""
+    if channels_last:
+        ch = min(BLOCK, triton.next_power_of_2(c))
+        cols = min(max(1, BLOCK // ch), triton.next_power_of_2(width))
+    else:
+        cols = min(BLOCK, triton.next_power_of_2(width))
+        ch = min(max(1, BLOCK // cols), triton.next_power_of_2(c))
+    return (b, triton.cdiv(c, ch), triton.cdiv(width, cols)), {"CH": ch, "COLS": cols}
 
 
 if triton is not None:
 
     @triton.jit
-    def _rows(T, C_, r, stride_b, stride_c):
-        """The first element of each row ``r`` (``b * C + c``) of a ``[B, C, ...]`` tensor."""
-        return T + (r // C_).to(tl.int64) * stride_b + (r % C_).to(tl.int64) * stride_c
+    def _at(T, b, c, i, stride_b, stride_c, stride_t):
+        """The addresses of a tile (channels ``c`` x samples ``i``) of row ``b`` of a ``[B, C, T]``
+        tensor (a stride of 1 is a constant to Triton: the tile's contiguous axis is known)."""
+        return T + b.to(tl.int64) * stride_b + c.to(tl.int64) * stride_c + i.to(tl.int64) * stride_t
 
     @triton.jit
-    def _tile(rows, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """This program's rows (``[ROWS, 1]``), whether each is one, and columns (``[1, COLS]``)."""
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-        i = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
-        return r, r < rows, i
+    def _tile(c, CH: tl.constexpr, COLS: tl.constexpr):
+        """This program's row, channels (``[CH, 1]``), which of them are the tensor's, and samples
+        (``[1, COLS]``)."""
+        ch = tl.program_id(1) * CH + tl.arange(0, CH)[:, None]
+        i = tl.program_id(2) * COLS + tl.arange(0, COLS)[None, :]
+        return tl.program_id(0), ch, ch < c, i
 
     _EXACT_EXPM1 = tl.constexpr(not _INTERPRETED)
 
@@ -239,47 +290,47 @@ if triton is not None:
         return tl.where(v > 0, v, e)
 
     @triton.jit
-    def _plus_bias(v, BIAS, r, live, c, HAS_BIAS: tl.constexpr):
+    def _plus_bias(v, BIAS, ch, live, HAS_BIAS: tl.constexpr):
         if HAS_BIAS:
-            v = v + tl.load(BIAS + r % c, mask=live, other=0.0)
+            v = v + tl.load(BIAS + ch, mask=live, other=0.0)
         return v
 
     @triton.jit
     def _assemble(
-        T, BIAS, PREV, OUT, rows, c, kept, n, stride_b, stride_c, stride_t,
-        HAS_BIAS: tl.constexpr, ELU: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+        T, BIAS, PREV, OUT, c, kept, n, st_b, st_c, st_t, so_b, so_c, so_t,
+        HAS_BIAS: tl.constexpr, ELU: tl.constexpr, CH: tl.constexpr, COLS: tl.constexpr,
     ) -> None:  # fmt: skip
         """A tile of the joined input: kept samples, then ``elu(t + bias)``."""
-        r, live, i = _tile(rows, ROWS, COLS)
+        b, ch, live, i = _tile(c, CH, COLS)
         width = kept + n
         old = live & (i < kept)
         new = live & (i >= kept) & (i < width)
-        at = _rows(T, c, r, stride_b, stride_c) + (i - kept).to(tl.int64) * stride_t
-        v = _plus_bias(tl.load(at, mask=new, other=0.0), BIAS, r, live, c, HAS_BIAS)
+        v = tl.load(_at(T, b, ch, i - kept, st_b, st_c, st_t), mask=new, other=0.0)
+        v = _plus_bias(v, BIAS, ch, live, HAS_BIAS)
         if ELU:
             v = _elu(v)
-        p = tl.load(PREV + r.to(tl.int64) * kept + i, mask=old, other=0.0)
-        tl.store(OUT + r.to(tl.int64) * width + i, tl.where(i < kept, p, v), mask=live & (i < width))
+        p = tl.load(_at(PREV, b, ch, i, c * kept, kept, 1), mask=old, other=0.0)
+        tl.store(_at(OUT, b, ch, i, so_b, so_c, so_t), tl.where(i < kept, p, v), mask=live & (i < width))
 
     @triton.jit
     def _residual(
-        X, T, BIAS, OUT, rows, c, n, sx_b, sx_c, sx_t, st_b, st_c, st_t,
-        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+        X, T, BIAS, OUT, c, n, sx_b, sx_c, sx_t, st_b, st_c, st_t, so_b, so_c, so_t,
+        HAS_BIAS: tl.constexpr, CH: tl.constexpr, COLS: tl.constexpr,
     ) -> None:  # fmt: skip
-        r, live, i = _tile(rows, ROWS, COLS)
+        b, ch, live, i = _tile(c, CH, COLS)
         keep = live & (i < n)
-        x = tl.load(_rows(X, c, r, sx_b, sx_c) + i.to(tl.int64) * sx_t, mask=keep, other=0.0)
-        v = tl.load(_rows(T, c, r, st_b, st_c) + i.to(tl.int64) * st_t, mask=keep, other=0.0)
-        tl.store(OUT + r.to(tl.int64) * n + i, x + _plus_bias(v, BIAS, r, live, c, HAS_BIAS), mask=keep)
+        x = tl.load(_at(X, b, ch, i, sx_b, sx_c, sx_t), mask=keep, other=0.0)
+        v = tl.load(_at(T, b, ch, i, st_b, st_c, st_t), mask=keep, other=0.0)
+        tl.store(_at(OUT, b, ch, i, so_b, so_c, so_t), x + _plus_bias(v, BIAS, ch, live, HAS_BIAS), mask=keep)
 
     @triton.jit
     def _convtr_output(
-        T, BIAS, PART, OUT, rows, c, tail, n, stride_b, stride_c, stride_t,
-        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+        T, BIAS, PART, OUT, c, tail, n, st_b, st_c, st_t, so_b, so_c, so_t,
+        HAS_BIAS: tl.constexpr, CH: tl.constexpr, COLS: tl.constexpr,
     ) -> None:  # fmt: skip
-        r, live, i = _tile(rows, ROWS, COLS)
+        b, ch, live, i = _tile(c, CH, COLS)
         keep = live & (i < n)
-        v = tl.load(_rows(T, c, r, stride_b, stride_c) + i.to(tl.int64) * stride_t, mask=keep, other=0.0)
-        v = _plus_bias(v, BIAS, r, live, c, HAS_BIAS)
-        p = tl.load(PART + r.to(tl.int64) * tail + i, mask=keep & (i < tail), other=0.0)
-        tl.store(OUT + r.to(tl.int64) * n + i, tl.where(i < tail, v + p, v), mask=keep)
+        v = tl.load(_at(T, b, ch, i, st_b, st_c, st_t), mask=keep, other=0.0)
+        v = _plus_bias(v, BIAS, ch, live, HAS_BIAS)
+        p = tl.load(_at(PART, b, ch, i, c * tail, tail, 1), mask=keep & (i < tail), other=0.0)
+        tl.store(_at(OUT, b, ch, i, so_b, so_c, so_t), tl.where(i < tail, v + p, v), mask=keep)
