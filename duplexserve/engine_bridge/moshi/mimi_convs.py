@@ -132,6 +132,7 @@ def _conv(layer: StreamingConv1d, x: _Lazy, cl: bool) -> _Lazy:
     conv = layer.conv.conv
     kept = state.previous.shape[-1]
     assert x.t.shape[-1] % conv.stride[0] == 0, "Steps must be multiple of stride"
+    cl = cl and conv.in_channels > 1  # cuDNN's channels-last kernel for the audio: 1.35 ms at 512 rows
     joined = assemble(x.t, x.bias, state.previous if kept else None, x.elu, cl)
     if cl:  # torch runs a 3-D input contiguous: a 2-D convolution keeps the layout
         y = nn.functional.conv2d(
