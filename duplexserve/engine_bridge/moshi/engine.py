@@ -47,9 +47,9 @@ from duplexserve.engine_bridge.moshi.prompts import (
 )
 
 log = logging.getLogger(__name__)
-#: A step this long (and 3x the mean) makes every live session's answer late: it is logged with
-#: what it did.
-SLOW_STEP_S = 0.1
+#: A step longer than a frame (and twice the mean) makes every live session's answer late past a
+#: one-frame playback buffer: it is logged with what it did.
+SLOW_STEP_S = 0.08
 
 
 @dataclass(frozen=True)
@@ -679,7 +679,7 @@ class MoshiEngine(Engine):
         timings["steps"] += 1
         timings["step_s"] += wall
         timings["host_s"] += queued - started
-        if wall > max(SLOW_STEP_S, 3 * usual) and not self._warming:  # a step that makes every session late
+        if wall > max(SLOW_STEP_S, 2 * usual) and not self._warming:  # a step that makes every session late
             log.warning(
                 "moshi engine: a %.0f ms step (%.0f ms queueing it): %d rows in a bucket of %d, %d moved, "
                 "%d reset; before it %d new prompts and %d cached", 1000 * wall, 1000 * (queued - started),
