@@ -66,6 +66,19 @@ def test_rows_take_the_lowest_free_and_move_down_only_past_their_bucket():
     assert rows.compaction()[1].tolist() == [3] and rows.row_of[2] == 0 and rows.reset[0]
 
 
+def test_a_step_moves_at_most_its_limit_highest_rows_first():
+    rows = RowMap(12, bucket_sizes(12))
+    for slot in range(12):
+        rows.open(slot)
+    for slot in (0, 1, 2, 4, 5, 6, 7):
+        rows.close(slot)  # 5 live in rows 3, 8-11: bucket 6 holds them once 8-11 move down
+    assert rows.overflow().tolist() == [8, 9, 10, 11]
+    assert [x.tolist() for x in rows.compaction(limit=3)] == [[0, 1, 2], [9, 10, 11]]
+    assert rows.overflow().tolist() == [8]
+    assert [x.tolist() for x in rows.compaction(limit=3)] == [[4], [8]]
+    assert rows.overflow().size == 0 and rows.row_of[[3, 8, 9, 10, 11]].tolist() == [3, 4, 0, 1, 2]
+
+
 def test_sessions_moved_between_rows_equal_kyutais_batch1_loop():
     engine = make_engine()
     try:
@@ -89,18 +102,22 @@ def test_sessions_moved_between_rows_equal_kyutais_batch1_loop():
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
 def test_bucket_changes_answer_as_the_full_batch(monkeypatch, kv_dtype):
     """The same sessions through an engine stepping its full batch every time: the same
-    tokens, the same audio (the 8-bit ring too, whose scales move with the rows)."""
+    tokens, the same audio (the 8-bit ring too, whose scales move with the rows), and so
+    with a move of one row a step (the rest moved in the steps after)."""
     answers = []
-    for sizes in (bucket_sizes, lambda rows: [rows]):
+    for sizes, move_bytes in ((bucket_sizes, 1), (bucket_sizes, None), (lambda rows: [rows], None)):
         monkeypatch.setattr(row_buckets, "bucket_sizes", sizes)
         engine = make_engine(kv_dtype=kv_dtype)
         try:
+            if move_bytes is not None:
+                engine._rows.move_bytes = move_bytes
             answers.append(run_sessions(engine, SESSIONS)[:2])
             assert (engine._rows.moves > 0) == (sizes is bucket_sizes)
         finally:
             engine.stop()
-    (audio, tokens), (full_audio, full_tokens) = answers
-    for a, b in zip(tokens, full_tokens, strict=True):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(audio, full_audio, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    *bucketed, (full_audio, full_tokens) = answers
+    for audio, tokens in bucketed:
+        for a, b in zip(tokens, full_tokens, strict=True):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(audio, full_audio, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -17,7 +17,9 @@ batch to a captured CUDA-graph size, with one set of graphs per bucket (moshi's
   rows no longer fit the bucket of their count (sessions ended and left holes below the
   highest) the highest live rows move down into the holes: every per-row tensor of every
   state (KV rings, Mimi's and the depformer's streaming state, offsets, LMGen's token
-  cache) is copied row to row, so the moved session goes on exactly where it was.
+  cache) is copied row to row, so the moved session goes on exactly where it was. A step
+  moves at most about ``MOVE_BYTES`` of state, the rest in the steps after it: when many
+  sessions end together, moving every row at once makes one step longer than a frame.
 
 Every state class moshi 0.2.13 and our live modules build is listed in ``_FIELDS`` with
 its per-row tensors and their batch axis; a model with any other state (cross-attention,
@@ -67,6 +69,9 @@ _RINGS: dict[type, tuple[tuple[str, int], ...]] = {
     QuantRing: (("cache", 1), ("scale", 1)),
 }
 _REASSIGNED = {_StreamingConv1dState: "first", _LMGenState: "offsets"}  # ``state.x = new tensor``
+#: The state a step moves at most (one row at least). H200, Hibiki-Zero int8 at 60 s: 128 rows
+#: moved at once, about 9 GB, made an 81 ms step of a 34 ms one; 1 GiB costs a step about 5 ms.
+MOVE_BYTES = 1 << 30
 
 
 class GraphPool:
@@ -167,14 +172,19 @@ class RowMap:
         """The smallest bucket size that holds ``top`` rows."""
         return int(self.sizes[np.searchsorted(self.sizes, top)])
 
-    def compaction(self) -> tuple[np.ndarray, np.ndarray]:
-        """Rows to move (to, from) so that the live rows fit the bucket of their count;
-        the map already says where they went."""
+    def overflow(self) -> np.ndarray:
+        """The live rows past the bucket of the live count: to move down."""
         live = np.flatnonzero(self.slot_of >= 0)
-        if not len(live) or live[-1] < (size := self.bucket(len(live))):
-            return live[:0], live[:0]
-        src = live[live >= size]
-        dst = np.flatnonzero(self.slot_of[:size] < 0)[: len(src)]
+        return live[live >= self.bucket(len(live))] if len(live) else live
+
+    def compaction(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows to move (to, from) so that the live rows fit the bucket of their count, at
+        most ``limit`` of them (the highest first) into the lowest free rows (all below that
+        bucket); the map already says where they went."""
+        src = self.overflow()
+        if limit is not None:
+            src = src[max(0, len(src) - limit) :]
+        dst = np.flatnonzero(self.slot_of < 0)[: len(src)]
         slots = self.slot_of[src]
         self.slot_of[dst], self.slot_of[src] = slots, -1
         self.row_of[slots] = dst
@@ -217,6 +227,18 @@ class StateViews:
                 module._streaming_state = state
             self.size = size
 
+    def row_bytes(self, src: np.ndarray) -> int:
+        """The bytes a move of one of the rows ``src`` copies (of a prefixed ring, the slots
+        the longest-lived of them has filled)."""
+        live = self.live_prefix(src) if self.prefixed and self.live_prefix is not None else None
+        total = 0
+        for tensor, axis in self.tensors:
+            size = tensor.numel() // tensor.shape[axis] * tensor.element_size()
+            if live is not None and id(tensor) in self.prefixed:
+                size = size * live // tensor.shape[RING_SLOTS]
+            total += size
+        return total
+
     def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy rows ``src`` of every per-row tensor into rows ``dst``; of a prefixed ring
         only the slots the moved rows have filled (H200, PersonaPlex: 32 whole rows of the
@@ -243,13 +265,16 @@ class RowBuckets:
         self.sizes = list(sizes)
         self.map = RowMap(rows, sizes)
         self.moves = 0
+        self.move_bytes = MOVE_BYTES
 
     def prepare(self, slots: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
-        """Before a step of ``slots``: move live rows down if it pays, point the states at
-        the bucket that holds their rows. Returns the rows, the bucket size, and the
-        mask of the bucket's rows to reset first (None when there are none)."""
-        dst, src = self.map.compaction()
-        if len(src):
+        """Before a step of ``slots``: move live rows down (``move_bytes`` of them at most),
+        point the states at the bucket that holds their rows. Returns the rows, the bucket
+        size, and the mask of the bucket's rows to reset first (None when there are none)."""
+        over = self.map.overflow()
+        if len(over):
+            limit = max(1, self.move_bytes // max(1, self.views.row_bytes(over)))
+            dst, src = self.map.compaction(limit)
             self.views.move(dst, src)
             self.moves += len(src)
         rows = self.map.rows(slots)
