@@ -227,17 +227,18 @@ class StateViews:
                 module._streaming_state = state
             self.size = size
 
-    def row_bytes(self, src: np.ndarray) -> int:
-        """The bytes a move of one of the rows ``src`` copies (of a prefixed ring, the slots
-        the longest-lived of them has filled)."""
+    def _moved(self, src: np.ndarray) -> Iterator[tuple[torch.Tensor, int]]:
+        """Each per-row tensor and its batch axis, as a move of the rows ``src`` copies it: of
+        a prefixed ring only the slots the longest-lived of them has filled."""
         live = self.live_prefix(src) if self.prefixed and self.live_prefix is not None else None
-        total = 0
         for tensor, axis in self.tensors:
-            size = tensor.numel() // tensor.shape[axis] * tensor.element_size()
             if live is not None and id(tensor) in self.prefixed:
-                size = size * live // tensor.shape[RING_SLOTS]
-            total += size
-        return total
+                tensor = tensor.narrow(RING_SLOTS, 0, live)
+            yield tensor, axis
+
+    def row_bytes(self, src: np.ndarray) -> int:
+        """The bytes a move of one of the rows ``src`` copies."""
+        return sum(t.numel() // t.shape[axis] * t.element_size() for t, axis in self._moved(src))
 
     def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy rows ``src`` of every per-row tensor into rows ``dst``; of a prefixed ring
@@ -245,10 +246,7 @@ class StateViews:
         int8 ring took 164 ms, a step every live session felt)."""
         device = self.tensors[0][0].device
         to, frm = (torch.from_numpy(x).to(device) for x in (dst, src))
-        live = self.live_prefix(src) if self.prefixed and self.live_prefix is not None else None
-        for tensor, axis in self.tensors:
-            if live is not None and id(tensor) in self.prefixed:
-                tensor = tensor.narrow(RING_SLOTS, 0, live)
+        for tensor, axis in self._moved(src):
             tensor.index_copy_(axis, to, tensor.index_select(axis, frm))
 
 
