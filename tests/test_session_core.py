@@ -199,6 +199,48 @@ def test_process_engine_answers_from_its_shared_buffer_and_from_any_array():
         proxy.stop()
 
 
+def test_process_engine_sends_opens_and_closes_with_the_next_step():
+    """A step is one round trip to the child however many sessions opened or closed before
+    it; a posted command that fails fails that step and leaves the engine lost."""
+    from duplexserve.config import ServerConfig
+    from duplexserve.engine_bridge.process_engine import EngineProcessError, ProcessEngine
+
+    proxy = ProcessEngine(ServerConfig(engine="synthetic", engine_process=True, max_sessions=4, text_every=0))
+    proxy.start()
+    try:
+        conn = proxy._conn
+        sent = []
+
+        class Counting:
+            def send(self, message):
+                sent.append(message)
+                conn.send(message)
+
+            def recv(self):
+                return conn.recv()
+
+        proxy._conn = Counting()
+        for slot in range(4):
+            proxy.open(slot, {})
+        proxy.close(2)
+        proxy.end_input(3, 7)
+        frames = np.arange(2 * F, dtype=np.float32).reshape(2, F)
+        np.testing.assert_array_equal(proxy.step(np.array([0, 1]), frames).audio, frames)
+        assert len(sent) == 1
+        posted, message = sent[0]
+        assert [c[0] for c in posted] == ["open"] * 4 + ["close", "end_input"] and message[0] == "step"
+        proxy.step(np.array([0]), frames[:1])
+        assert sent[1][0] == []  # sent once
+
+        proxy.open(9, {})  # no such slot: the child's books fail
+        with pytest.raises(EngineProcessError, match="IndexError"):
+            proxy.step(np.array([0]), frames[:1])
+        assert not proxy.alive()
+        proxy._conn = conn
+    finally:
+        proxy.stop()
+
+
 def test_synthetic_echo_with_delay_keeps_slots_apart():
     e = SyntheticEngine(3, delay_frames=1, text_every=2)
     e.open(0, {})

@@ -9,6 +9,15 @@ Frames go through shared memory (one (slots x 1920) float32 buffer each way, wri
 in place, never pickled; the bridge gathers each batch straight into the input buffer);
 a pipe carries only the small commands and each step's text.
 While the child steps, the engine thread waits on the pipe with the GIL released.
+
+A command with nothing to answer (open, close, end of input) is not sent on its own: it
+goes with the next call, so a step costs one round trip to the child however many sessions
+opened or closed since the last. One round trip each had cost a step more than the step's
+own: a waiting engine thread takes the GIL back only when the event loop lets it go (up to
+``sys.getswitchinterval()``, 5 ms), twice a round trip, and 512 sessions opening or ending
+within two seconds held the steps of all the others back by a frame (docs/benchmarks.md).
+A posted command that fails (a bug: they only keep books) fails that next call and marks
+the engine lost, so the bridge starts it anew.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ class ProcessEngine(Engine):
         self._conn: Connection | None = None
         self._shm: list[SharedMemory] = []
         self._lost = False
+        self._posted: list[tuple[Any, ...]] = []  # commands waiting for the next call
 
     def start(self) -> None:
         size = self.num_slots * self.frame_samples * 4
@@ -75,16 +85,26 @@ class ProcessEngine(Engine):
             self.stop()
             raise
 
+    def _post(self, message: tuple[Any, ...]) -> None:
+        """Send ``message`` with the next call (see above)."""
+        if self._conn is None:
+            raise EngineProcessError("engine process is not running")
+        self._posted.append(message)
+
     def _call(self, message: tuple[Any, ...]) -> Any:
         conn = self._conn
         if conn is None:
             raise EngineProcessError("engine process is not running")
+        posted, self._posted = self._posted, []
         try:
-            conn.send(message)
+            conn.send((posted, message))
             status, value = conn.recv()  # blocks with the GIL released
         except (EOFError, OSError, BrokenPipeError) as exc:
             self._lost = True  # the pipe broke: it is dead even if not yet reaped
             raise EngineProcessError("engine process died") from exc
+        if status == "lost":
+            self._lost = True  # a posted command failed: alive() is False, the bridge restarts
+            raise EngineProcessError(value)
         if status == "prompt_error":
             raise PromptError(*value)
         if status != "ok":
@@ -95,10 +115,10 @@ class ProcessEngine(Engine):
         return not self._lost and self._proc is not None and self._proc.is_alive()
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
-        self._call(("open", slot, params))
+        self._post(("open", slot, params))
 
     def close(self, slot: int) -> None:
-        self._call(("close", slot))
+        self._post(("close", slot))
 
     def prompt(self, slot: int, params: dict[str, Any]) -> None:
         self._call(("prompt", slot, params))
@@ -107,7 +127,7 @@ class ProcessEngine(Engine):
         return bool(self._call(("prompt_cached", params)))
 
     def end_input(self, slot: int, frames: int) -> None:
-        self._call(("end_input", slot, frames))
+        self._post(("end_input", slot, frames))
 
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
         n = len(slots)
@@ -159,9 +179,16 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
     try:
         while True:
             try:
-                message = conn.recv()
+                posted, message = conn.recv()
             except EOFError:
                 return
+            try:
+                for command in posted:
+                    assert engine is not None
+                    _apply(engine, command)
+            except Exception:  # the engine's books may be wrong now: the parent starts anew
+                conn.send(("lost", traceback.format_exc()))
+                continue
             kind = message[0]
             try:
                 if kind == "step":
@@ -170,10 +197,6 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     result = engine.step(slots, frames_in[: len(slots)])
                     frames_out[: len(slots)] = result.audio
                     conn.send(("ok", (result.text, result.finished)))
-                elif kind == "open":
-                    assert engine is not None
-                    engine.open(message[1], message[2])
-                    conn.send(("ok", None))
                 elif kind == "prompt":
                     assert engine is not None
                     engine.prompt(message[1], message[2])
@@ -181,14 +204,6 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                 elif kind == "prompt_cached":
                     assert engine is not None
                     conn.send(("ok", engine.prompt_cached(message[1])))
-                elif kind == "close":
-                    assert engine is not None
-                    engine.close(message[1])
-                    conn.send(("ok", None))
-                elif kind == "end_input":
-                    assert engine is not None
-                    engine.end_input(message[1], message[2])
-                    conn.send(("ok", None))
                 elif kind == "start":
                     engine = build_engine(config)
                     engine.start()
@@ -211,3 +226,15 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
         del frames_in, frames_out
         for shm in shms:
             shm.close()
+
+
+def _apply(engine: Engine, command: tuple[Any, ...]) -> None:
+    """A posted command: ``("open", slot, params)``, ``("close", slot)`` or
+    ``("end_input", slot, frames)``."""
+    kind = command[0]
+    if kind == "open":
+        engine.open(command[1], command[2])
+    elif kind == "close":
+        engine.close(command[1])
+    else:
+        engine.end_input(command[1], command[2])
