@@ -174,6 +174,10 @@ def test_batcher_gathers_into_the_engines_buffer(make_batcher):
     slots, _, batch = b.gather(out=buffer)
     assert slots.tolist() == [0, 2, 3] and batch.base is buffer
     assert buffer[:, 0].tolist() == [0, 2, 3, -1]  # the first rows, in slot order
+    np.testing.assert_array_equal(batch, np.stack([np.full(F, s, np.float32) for s in (0, 2, 3)]))
+    b.push(0, 1, np.full(F, 1, np.int32))  # the same bytes a frame, another format: refused
+    with pytest.raises(TypeError, match="int32"):
+        b.gather(out=buffer)
 
 
 def test_process_engine_answers_from_its_shared_buffer_and_from_any_array():

@@ -40,9 +40,11 @@ def _batch(frames: list[np.ndarray], out: np.ndarray | None) -> np.ndarray:
     Copied as bytes through a memoryview, which keeps the GIL: numpy lets the GIL go for
     any copy of over 500 items, so ``np.concatenate`` let it go once a frame, and each time
     the engine thread waited for the event loop to hand it back. Gathering 256 frames took
-    5.4 ms so with the loop busy, against 0.2 alone (docs/benchmarks.md)."""
+    5.4 ms so with the loop busy, against 0.2 alone (docs/moshi-engine.md)."""
     first = frames[0]
     batch = np.empty((len(frames), first.size), first.dtype) if out is None else out[: len(frames)]
+    if first.dtype != batch.dtype:  # bytes are copied, not values: the formats must agree
+        raise TypeError(f"frames of {first.dtype} for a batch of {batch.dtype}")
     target = memoryview(batch.reshape(-1)).cast("B")
     width = first.nbytes
     at = 0

@@ -12,10 +12,10 @@ While the child steps, the engine thread waits on the pipe with the GIL released
 
 A command with nothing to answer (open, close, end of input) is not sent on its own: it
 goes with the next call, so a step costs one round trip to the child however many sessions
-opened or closed since the last. One round trip each had cost a step more than the step's
-own: a waiting engine thread takes the GIL back only when the event loop lets it go (up to
-``sys.getswitchinterval()``, 5 ms), twice a round trip, and 512 sessions opening or ending
-within two seconds held the steps of all the others back by a frame (docs/benchmarks.md).
+opened or closed since the last. Each had been a round trip of its own between two steps, and
+a waiting engine thread takes the GIL back only when the event loop lets it go (up to
+``sys.getswitchinterval()``, 5 ms), twice a round trip: 512 sessions opening or ending within
+two seconds held every other session's steps back by a frame (docs/moshi-engine.md).
 A posted command that fails (a bug: they only keep books) fails that next call and marks
 the engine lost, so the bridge starts it anew.
 """
