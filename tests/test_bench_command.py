@@ -82,6 +82,24 @@ def test_moshi_rtf_runs_each_count_twice_on_one_server_and_counts_each_run_apart
         assert abs(a["steps"] - b["steps"]) <= 10, (a["steps"], b["steps"])
 
 
+def test_moshi_step_breakdown_builds_the_listed_engines_or_every_combination():
+    from duplexserve.bench import moshi_step
+
+    parser = argparse.ArgumentParser()
+    moshi_step.add_arguments(parser)
+    combos = moshi_step.breakdown_builds(parser.parse_args(["breakdown", "--depformer", "lean,stock"]))
+    rest = ("live", "float32", "whole", "fused")
+    assert combos == [
+        ("stock", "lean", *rest), ("stock", "stock", *rest), ("live", "lean", *rest), ("live", "stock", *rest)
+    ]
+    library, ours = "stock/stock/stock/float32/parts/stock", "live/lean/live/float32/whole/fused"
+    assert moshi_step.breakdown_builds(parser.parse_args(["breakdown", "--builds", f"{library},{ours}"])) == [
+        tuple(library.split("/")), tuple(ours.split("/"))
+    ]
+    with pytest.raises(SystemExit):
+        moshi_step.breakdown_builds(parser.parse_args(["breakdown", "--builds", "stock/lean"]))
+
+
 def test_moshi_step_kernels_counts_what_the_lean_depformer_leaves_out():
     """``bench moshi-step kernels``: one depformer step of tiny-zero, two layers deep, launches
     the Triton kernels the engine's CUDA path would (its norms, each with the residual add before

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import time
 from functools import partial
@@ -193,6 +194,23 @@ def _mimi_kernels(torch: Any, fns: tuple[Any, Any], pcm: Any, codebooks: int) ->
     return parts
 
 
+def breakdown_builds(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """The engines ``breakdown`` builds: ``--builds`` as listed (the library's whole path
+    against the engine's, say, in two builds), else every combination of the per-part
+    options. Each is (attention, depformer, Mimi attention, fp32 matmul, Mimi graph, convs)."""
+    if args.builds:
+        builds = [tuple(b.split("/")) for b in args.builds.split(",")]
+        if any(len(b) != 6 for b in builds):
+            raise SystemExit("--builds: attention/depformer/mimi attention/fp32 matmul/mimi graph/convs,...")
+        return builds
+    return list(
+        itertools.product(
+            args.attention.split(","), args.depformer.split(","), args.mimi_attention.split(","),
+            args.fp32_matmul.split(","), args.mimi_graph.split(","), args.mimi_convs.split(","),
+        )
+    )  # fmt: skip
+
+
 def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
@@ -207,16 +225,7 @@ def cmd_breakdown(args: argparse.Namespace) -> list[dict[str, Any]]:
     kernels = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [
         getattr(live_attention, default)
     ]
-    builds = [
-        (a, d, m, f, g, c, k)
-        for a in args.attention.split(",")
-        for d in args.depformer.split(",")
-        for m in args.mimi_attention.split(",")
-        for f in args.fp32_matmul.split(",")
-        for g in args.mimi_graph.split(",")
-        for c in args.mimi_convs.split(",")
-        for k in kernels
-    ]
+    builds = [(*build, k) for build in breakdown_builds(args) for k in kernels]
     for attention, depformer, mimi_attention, fp32_matmul, mimi_graph, mimi_convs, kernel in builds:
         setattr(live_attention, default, kernel)  # read when the CUDA graphs are captured
         engine = MoshiEngine(
@@ -756,6 +765,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--fp32-matmul", default="float32", help="breakdown: float32,tf32 (one engine each)")
         p.add_argument("--mimi-graph", default="whole", help="breakdown: parts,whole (one engine each)")
         p.add_argument("--mimi-convs", default="fused", help="breakdown: stock,fused,fused-cl (each)")
+        p.add_argument(
+            "--builds", default="",
+            help="breakdown: attention/depformer/mimi attention/fp32 matmul/mimi graph/convs,... instead of"
+            " every combination of the options above (stock/stock/stock/float32/parts/stock: the library's)",
+        )  # fmt: skip
         p.add_argument(
             "--mimi-builds", default="float32/whole,tf32/whole",
             help="mimi: fp32 matmul/graph[/convs: stock, fused or fused-cl],... (each against the first)",
