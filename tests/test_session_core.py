@@ -241,6 +241,16 @@ def test_process_engine_sends_opens_and_closes_with_the_next_step():
             proxy.step(np.array([0]), frames[:1])
         assert not proxy.alive()
         proxy._conn = conn
+        proxy.stop()
+
+        proxy.start()  # a child killed with commands still waiting: its successor never gets them
+        proxy.open(1, {})
+        proxy._proc.kill()
+        proxy._proc.join()
+        proxy.stop()
+        proxy.start()
+        proxy.open(0, {})
+        np.testing.assert_array_equal(proxy.step(np.array([0]), frames[:1]).audio, frames[:1])
     finally:
         proxy.stop()
 

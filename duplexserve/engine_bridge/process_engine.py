@@ -150,6 +150,7 @@ class ProcessEngine(Engine):
         if self._conn is not None:
             self._conn.close()
         self.input_buffer = None
+        self._posted = []  # for the child that is gone: a new one starts with no slot open
         for shm in self._shm:
             shm.close()
             shm.unlink()
