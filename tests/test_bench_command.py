@@ -134,3 +134,23 @@ def test_moshi_step_sass_reads_the_int8_kernels_loop():
     assert row["kernel"] == "512/16/1/3/mma" and row["stack_bytes"] == 0 and opcodes["HMMA"] > 0
     assert row["loop_skippable"] > 0
     assert row["loop_common_path"] + row["loop_skippable"] == row["loop_instructions"]
+
+
+def test_moshi_step_puts_the_rows_at_their_age_past_their_pending_resets():
+    """Every row is due a reset after the warm-up and after each resize: set before the
+    step that takes it, the age would be lost and the breakdown would time newborn rows."""
+    import numpy as np
+
+    from duplexserve.bench import moshi_step
+    from tests.test_moshi_row_buckets import make_engine
+
+    engine = make_engine()
+    offsets = engine.lm_gen.lm_model.transformer._streaming_state.offsets
+    for slots in (np.arange(6), np.arange(3)):
+        if len(slots) != engine.num_slots:
+            engine.resize(len(slots))
+            offsets = engine.lm_gen.lm_model.transformer._streaming_state.offsets
+        frames = np.zeros((len(slots), engine.frame_samples), np.float32)
+        moshi_step.at_age(engine, slots, frames, 7)
+        engine.step(slots, frames)
+        assert offsets[engine.rows_of(slots)].tolist() == [8] * len(slots)
