@@ -145,12 +145,11 @@ def test_moshi_step_puts_the_rows_at_their_age_past_their_pending_resets():
     from tests.test_moshi_row_buckets import make_engine
 
     engine = make_engine()
-    offsets = engine.lm_gen.lm_model.transformer._streaming_state.offsets
-    for slots in (np.arange(6), np.arange(3)):
+    for slots in (np.arange(6), np.arange(3)):  # the warm-up's resets, then a resize's
         if len(slots) != engine.num_slots:
             engine.resize(len(slots))
-            offsets = engine.lm_gen.lm_model.transformer._streaming_state.offsets
         frames = np.zeros((len(slots), engine.frame_samples), np.float32)
         moshi_step.at_age(engine, slots, frames, 7)
         engine.step(slots, frames)
+        offsets = engine.lm_gen.lm_model.transformer._streaming_state.offsets
         assert offsets[engine.rows_of(slots)].tolist() == [8] * len(slots)

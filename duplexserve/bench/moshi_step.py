@@ -48,11 +48,11 @@ HBM_BYTES_PER_S = 4.4e12  # copy bandwidth measured on the H200 (reference/moshi
 
 
 def at_age(engine: Any, slots: np.ndarray, frames: np.ndarray, age: int) -> None:
-    """Put ``slots`` at ``age`` frames into their sessions (every per-row clock moved): the
+    """Put every row at ``age`` frames into its session (every per-row clock moved): the
     LM's, and Mimi's transformers' (two positions a frame), whose rings of 250 fill in 10 s
-    (at 512 rows a full ring's attention costs 6.8 ms against 1.9 at 60 positions). One step
-    first: it takes the rows' pending resets (every row is due one after the warm-up and after
-    each ``resize``), which would otherwise put them back at frame 0 on the next step."""
+    (at 512 rows a full ring's attention costs 6.8 ms against 1.9 at 60 positions). A step of
+    ``slots`` first: it takes the rows' pending resets (every row is due one after the warm-up
+    and after each ``resize``), which would otherwise put them back at frame 0."""
     engine.step(slots, frames)
     mimi = engine.mimi
     per_frame = round(mimi.encoder_frame_rate / mimi.frame_rate)
