@@ -178,6 +178,12 @@ def test_batcher_gathers_into_the_engines_buffer(make_batcher):
     b.push(0, 1, np.full(F, 1, np.int32))  # the same bytes a frame, another format: refused
     with pytest.raises(TypeError, match="int32"):
         b.gather(out=buffer)
+    later = make_batcher(4, window=2)  # the same behind a first frame of the right format
+    for slot, dtype in ((0, np.float32), (2, np.int32)):
+        later.open(slot, 1)
+        later.push(slot, 1, np.zeros(F, dtype))
+    with pytest.raises(ValueError, match="different structures"):
+        later.gather(out=buffer)
 
 
 def test_process_engine_answers_from_its_shared_buffer_and_from_any_array():

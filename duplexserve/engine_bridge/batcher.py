@@ -37,19 +37,20 @@ def _batch(frames: list[np.ndarray], out: np.ndarray | None) -> np.ndarray:
     """The step's frames as one (rows x samples) batch: the first rows of ``out`` when the
     engine offers its input buffer, else a new array. The one copy of each frame.
 
-    Copied as bytes through a memoryview, which keeps the GIL: numpy lets the GIL go for
-    any copy of over 500 items, so ``np.concatenate`` let it go once a frame, and each time
-    the engine thread waited for the event loop to hand it back. Gathering 256 frames took
-    5.4 ms so with the loop busy, against 0.2 alone (docs/moshi-engine.md)."""
+    Copied through memoryviews, which keep the GIL: numpy lets the GIL go for any copy of
+    over 500 items, so ``np.concatenate`` let it go once a frame, and each time the engine
+    thread waited for the event loop to hand it back. Gathering 256 frames took 5.4 ms so
+    with the loop busy, against 0.2 alone (docs/moshi-engine.md). The views keep the
+    frames' format, so a frame of another format or length is refused, never reinterpreted."""
     first = frames[0]
     batch = np.empty((len(frames), first.size), first.dtype) if out is None else out[: len(frames)]
-    if first.dtype != batch.dtype:  # bytes are copied, not values: the formats must agree
+    if first.dtype != batch.dtype:  # said plainly here; the views refuse any later frame too
         raise TypeError(f"frames of {first.dtype} for a batch of {batch.dtype}")
-    target = memoryview(batch.reshape(-1)).cast("B")
-    width = first.nbytes
+    target = memoryview(batch.reshape(-1))
+    width = first.size
     at = 0
     for frame in frames:
-        target[at : at + width] = memoryview(frame).cast("B")
+        target[at : at + width] = memoryview(frame)
         at += width
     return batch
 
