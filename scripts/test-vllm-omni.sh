@@ -13,7 +13,7 @@ PY="$VENV/bin/python"
 # A new venv needs about 10 GB (pip's cache is off: it would hold the downloads a second
 # time). Where the disk has less, the install could only fail half-way on "no space left on
 # device": the suite is skipped instead, and says so with both figures.
-NEED_GB=11
+NEED_GB="${DUPLEXSERVE_VLLM_OMNI_NEED_GB:-11}"
 if ! "$PY" -c "import vllm_omni" 2>/dev/null; then
   free_gb=$(df -BG --output=avail "$(dirname "$(realpath -m "$VENV")")" | tail -1 | tr -dc 0-9)
   if [ "$free_gb" -lt "$NEED_GB" ]; then

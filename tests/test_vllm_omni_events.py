@@ -10,7 +10,11 @@ from __future__ import annotations
 import base64
 import importlib.util
 import io
+import os
+import re
+import subprocess
 import wave
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -111,3 +115,17 @@ def test_without_vllm_omni_the_server_says_what_to_install(tmp_path):
 
     with pytest.raises(RuntimeError, match=r"cannot serve --engine vllm-omni: .*scripts/test-vllm-omni\.sh"):
         start_server(str(tmp_path), "--engine", "vllm-omni", "--vllm-omni-standin")
+
+
+def test_the_vllm_omni_script_skips_on_a_disk_too_small_for_its_venv(tmp_path):
+    """Where a new venv would not fit, scripts/test-vllm-omni.sh installs nothing, says so
+    with both figures and exits 0 (rather than fail half-way through a 10 GB install)."""
+    root = Path(__file__).resolve().parent.parent
+    venv = tmp_path / "venv"
+    env = {**os.environ, "DUPLEXSERVE_VLLM_OMNI_VENV": str(venv), "DUPLEXSERVE_VLLM_OMNI_NEED_GB": "1000000"}
+    done = subprocess.run(["bash", "scripts/test-vllm-omni.sh"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = r"SKIPPED: the vLLM-Omni tests need about 1000000 GB free for their venv, \d+ GB are\n"
+    assert re.fullmatch(said, done.stdout), done.stdout
+    assert not venv.exists()
