@@ -185,8 +185,9 @@ def test_batcher_gathers_into_the_engines_buffer(make_batcher):
         later.push(slot, 1, np.zeros(F, dtype))
     with pytest.raises(TypeError, match="int32"):
         later.gather(out=buffer)
-    # float32 however a buffer spells its format: a ctypes-backed one reads '<f' where the
-    # frames read 'f' (the engines' buffers differ so), and a big-endian frame is refused.
+    # float32 however a buffer spells its format (a ctypes-backed one reads '<f', the frames
+    # 'f'; 316aee8 compared the spellings and refused the server's own frames), while a
+    # big-endian frame is refused.
     spelled = np.ctypeslib.as_array((ctypes.c_float * (4 * F))()).reshape(4, F)
     assert memoryview(spelled).format != memoryview(np.zeros(F, np.float32)).format
     for slot, frame in ((1, np.full(F, 1, np.float32)), (3, np.full(F, 3, ">f4"))):
