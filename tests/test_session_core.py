@@ -190,15 +190,16 @@ def test_batcher_gathers_into_the_engines_buffer(make_batcher):
     # big-endian frame is refused.
     spelled = np.ctypeslib.as_array((ctypes.c_float * (4 * F))()).reshape(4, F)
     assert memoryview(spelled).format != memoryview(np.zeros(F, np.float32)).format
-    for slot, frame in ((1, np.full(F, 1, np.float32)), (3, np.full(F, 3, ">f4"))):
-        later = make_batcher(4, window=2)
-        later.open(slot, 1)
-        later.push(slot, 1, frame)
-        if frame.dtype == np.float32:
-            assert later.gather(out=spelled)[2].tolist() == [[1.0] * F]
-        else:
-            with pytest.raises(TypeError, match=">f4"):
-                later.gather(out=spelled)
+
+    def holding(slot: int, frame: np.ndarray) -> SlotBatcher | FifoBatcher:
+        batcher = make_batcher(4, window=2)
+        batcher.open(slot, 1)
+        batcher.push(slot, 1, frame)
+        return batcher
+
+    assert holding(1, np.full(F, 1, np.float32)).gather(out=spelled)[2].tolist() == [[1.0] * F]
+    with pytest.raises(TypeError, match=">f4"):
+        holding(3, np.full(F, 3, ">f4")).gather(out=spelled)
 
 
 def test_process_engine_answers_from_its_shared_buffer_and_from_any_array():
