@@ -15,6 +15,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from duplexserve.engine_bridge.bridge import RESTART_CAUSES, StepOutput
+from duplexserve.server.budgets import BudgetCollector
 from duplexserve.server.gc_pauses import GcPauses
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.turnaround import BUCKETS as TURNAROUND_BUCKETS
@@ -128,6 +129,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.registry.register(ServerCollector(orchestrator))
+        self.registry.register(BudgetCollector())
         self.step_seconds = Histogram(
             "duplexserve_engine_step_seconds", "engine step duration",
             buckets=STEP_BUCKETS, registry=self.registry,
