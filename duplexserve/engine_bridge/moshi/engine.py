@@ -151,6 +151,9 @@ class MoshiEngine(Engine):
         self.memory_in_use = (0, 0)  # bytes: the device's once started (a GPU's), its rings' part
         self._prompts_since_step = [0, 0]  # new (a forward), cached (a copy)
         self._warming = False  # warm-up's steps compile and capture: slow on purpose, before ready
+        #: Where the start went, in order (seconds): the log prints it, ``check`` and the
+        #: start-time benchmark read it (docs/moshi-engine.md, "Start-up").
+        self.start_phases: dict[str, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -193,11 +196,13 @@ class MoshiEngine(Engine):
         }[self.dtype_name]
         torch.manual_seed(self.seed)
         started = time.perf_counter()
+        phase = _PhaseClock(self.start_phases)
         # As moshi.server builds it (model_type mutations, LoRA fused, conditioning kept float32).
         info = self.checkpoint or preset_checkpoint(self.preset)  # type: ignore[arg-type]
         mimi = info.get_mimi(device=device)
         if dtype == torch.float64:
             mimi = mimi.double()
+        phase("mimi")
         overrides = {"context": self.context} if self.context else {}
         lm = info.get_moshi(
             device=device, dtype=dtype, load_weight=self.preset is None, fuse_lora=True,
@@ -207,6 +212,7 @@ class MoshiEngine(Engine):
             mimi.set_num_codebooks(lm.n_q - lm.dep_q)
         if self.preset is not None:
             _calibrate_codebooks(mimi)
+        phase("lm")
         if self.family.prompted:
             self._layout = StreamLayout.of(lm, mimi)
             # A .pt voice's embeddings on the GPU once: copied from the host at each prompt, they
@@ -217,6 +223,7 @@ class MoshiEngine(Engine):
                 for name, voice in load_voices(self.voice_dir, mimi, lm.dim, lm.num_codebooks).items()
             }  # fmt: skip
             self.takes_prompts, self.voices = True, tuple(self._voices)
+        phase("voices")
         self.tokenizer = None
         if self.tokenizer_path:
             import sentencepiece
@@ -250,18 +257,21 @@ class MoshiEngine(Engine):
         self.mimi = mimi
         self._no_compile = no_compile if device.type != "cuda" else contextlib.nullcontext
         self._eager = no_compile  # a prefill's shapes vary: compiled, each new one would compile anew
-        self._allocate(self.num_slots)
+        phase("kernels")
+        self._allocate(self.num_slots, phase)
         log.info(
-            "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s",
+            "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s (%s)",
             self.preset.name if self.preset else self.source.hf_repo or self.source.weights,
             device,
             self.num_slots,
             self.delay_frames,
             time.perf_counter() - started,
+            ", ".join(f"{name} {s:.1f} s" for name, s in self.start_phases.items()),
         )
 
-    def _allocate(self, b: int) -> None:
-        """Streaming state for ``b`` slots, host/device buffers, then warm-up (graph capture)."""
+    def _allocate(self, b: int, phase: _PhaseClock | None = None) -> None:
+        """Streaming state for ``b`` slots, host/device buffers, then warm-up (graph capture);
+        ``phase`` times the state apart from each bucket's warm-up."""
         from duplexserve.engine_bridge.moshi.prefill import Prefill
         from duplexserve.engine_bridge.moshi.row_buckets import (
             GraphPool,
@@ -326,7 +336,9 @@ class MoshiEngine(Engine):
             for n in self._rows.sizes
         }
         self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
-        self._warm_up(self._rows.sizes if graphed else [b])
+        if phase is not None:
+            phase("state")
+        self._warm_up(self._rows.sizes if graphed else [b], phase)
         if plan is not None:  # what the plan's allowance beyond the ring is measured against
             used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
             rings = (b + self.family.prompted) * plan.kv_per_slot  # the prefill's scratch row has one
@@ -441,7 +453,7 @@ class MoshiEngine(Engine):
             self._torch.cuda.empty_cache()
         self._allocate(num_slots)
 
-    def _warm_up(self, sizes: list[int]) -> None:
+    def _warm_up(self, sizes: list[int], phase: _PhaseClock | None = None) -> None:
         """Step each of ``sizes`` rows until its CUDA graphs are captured and replayed (the
         full batch last, so the full-size states are current), then reset every row."""
         self._warming = True
@@ -450,11 +462,15 @@ class MoshiEngine(Engine):
             silence = np.zeros((size, self.frame_samples), np.float32)
             for _ in range(self.delay_frames + 3):
                 self.step(everyone, silence)
+            if phase is not None:
+                phase(f"warm-up {size}")
         if self.family.prompted:  # the default prompt's prefill: its kernels, and the cache
             self._prompt_cache.clear()
             self.open(0, {})
             self.prompt(0, {})
             self.close(0)
+            if phase is not None:
+                phase("prefill")
         self._rows.map.clear()
         self._steps[:] = 0
         self._eoi_at[:] = -1
@@ -733,6 +749,24 @@ class MoshiEngine(Engine):
         torch = getattr(self, "_torch", None)
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class _PhaseClock:
+    """Each call records the seconds since the one before under ``name`` (the GPU's queue
+    drained first where there is one, so a phase is charged its own kernels)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases = phases
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
 
 
 def _prompt_key(params: dict[str, Any]) -> tuple[str, str]:
