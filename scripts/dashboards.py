@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "base" / "dashboard" / "duplexserve.json"
+OUT = Path(__file__).resolve().parent.parent / "deploy/kubernetes/base/dashboard/duplexserve.json"
 
 #: Every series is filtered to the chosen namespaces (one overlay, one model, per namespace).
 NS = 'namespace=~"$namespace"'
@@ -43,9 +43,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
     ], "Refused sessions got HTTP 503 (or close 1013) from every replica the gateway tried."),
     ("Frame turnaround", "s", [
         (f"histogram_quantile({q}, sum by (le) "
-         f"(rate(duplexserve_frame_turnaround_seconds_bucket{{{NS}}}[$__rate_interval])))", f"p{int(q * 100)}")
+         f"(rate(duplexserve_frame_turnaround_seconds_bucket{{{NS}}}[$__rate_interval])))",
+         f"p{int(q * 100)}")
         for q in (0.5, 0.9, 0.99)
-    ], "Input message received to its output frame handed to the socket, the server's share of the round trip."),
+    ], "Input message received to its output frame handed to the socket: the server's share of the "
+       "round trip."),
     ("Late frames", "percentunit", [
         (f"sum(rate(duplexserve_frames_late_total{{{NS}}}[$__rate_interval])) "
          f"/ sum(rate(duplexserve_frames_out_total{{{NS}}}[$__rate_interval]))", "late / answered"),
@@ -57,11 +59,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
     ], "One step advances every session by one 80 ms frame: past 80 ms the batch falls behind."),
     ("Engine batch size", "short", [
         (f"sum(rate(duplexserve_engine_batch_size_sum{{{NS}}}[$__rate_interval])) "
-         f"/ sum(rate(duplexserve_engine_batch_size_count{{{NS}}}[$__rate_interval]))", "mean sessions a step"),
+         f"/ sum(rate(duplexserve_engine_batch_size_count{{{NS}}}[$__rate_interval]))",
+         "mean sessions a step"),
     ], "Sessions stepped together."),
     ("Engine restarts", "short", [
         (f"sum by (pod) (increase(duplexserve_engine_restarts_total{{{NS}}}[$__rate_interval]))", "{{pod}}"),
-        (f"sum by (cause) (increase(duplexserve_engine_restart_sessions_ended_total{{{NS}}}[$__rate_interval]))",
+        (f"sum by (cause) "
+         f"(increase(duplexserve_engine_restart_sessions_ended_total{{{NS}}}[$__rate_interval]))",
          "sessions ended: {{cause}}"),
     ], "A failed or stalled engine is restarted; the sessions it held end with engine_error."),
     ("CPU: server and codec workers", "percentunit", [
@@ -81,7 +85,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
 ]
 
 
-def panel(index: int, title: str, unit: str, queries: list[tuple[str, str]], description: str) -> dict[str, Any]:
+def panel(
+    index: int, title: str, unit: str, queries: list[tuple[str, str]], description: str
+) -> dict[str, Any]:
     return {
         "id": index + 1,
         "type": "timeseries",
@@ -129,7 +135,9 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="fail when the file differs from the generator")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()

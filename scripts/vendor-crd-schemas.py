@@ -32,7 +32,9 @@ def strip(node: Any) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("crds", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
