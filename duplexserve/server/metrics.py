@@ -60,6 +60,13 @@ class ServerCollector(Collector):
             value=turn.late,
         )
         yield GaugeMetricFamily("duplexserve_sessions_active", "sessions holding a slot", orch.active)
+        # The fleet's capacity for autoscaling and dashboards: sum(active) / sum(max) (deploy/).
+        yield GaugeMetricFamily(
+            "duplexserve_max_sessions", "engine slots: the most sessions held at once", orch.engine.num_slots
+        )
+        yield GaugeMetricFamily(
+            "duplexserve_draining", "1 from SIGTERM on: no new sessions, live ones finish", int(orch.draining)
+        )
         yield from orch.readiness.collect()
         yield GaugeMetricFamily("duplexserve_ready", "1 when new sessions are admitted", int(orch.ready))
         yield GaugeMetricFamily(

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""One duplexserve replica per GPU behind nginx, from one setting: the list of GPUs.
+
+docker/compose.yaml has two replicas (`--profile scale`); this writes an override with one per
+GPU in DUPLEXSERVE_GPUS (indices or UUIDs, comma-separated) and the nginx site listing them all,
+into docker/gpus/ (git-ignored). No file of the repository is edited. From the repository root:
+
+    DUPLEXSERVE_GPUS=0,1,2,3 scripts/compose-gpus.py
+    docker compose -f docker/compose.yaml -f docker/gpus/compose.yaml --profile scale up -d
+
+Replica i is `duplexserve` (i = 0) or `duplexserve-i` on GPU number i of the list. With --cpu
+the replicas are compose.cpu.yaml's (the CPU image, no GPU), each published on the host at
+DUPLEXSERVE_PUBLISH_PORT_i (default 8998 + i); add compose.cpu.yaml before the override.
+One GPU needs none of this: `DUPLEXSERVE_GPU=3 docker compose -f docker/compose.yaml up -d`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DOCKER = Path(__file__).resolve().parent.parent / "docker"
+#: The upstream block's server lines in docker/nginx/duplexserve.conf (one per replica).
+SERVER_LINE = re.compile(r"^([ \t]*)server duplexserve(-\d+)?:8998 (.*)$", re.MULTILINE)
+
+
+def replica_name(index: int) -> str:
+    return "duplexserve" if index == 0 else f"duplexserve-{index}"
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """compose's merge of a service: mappings merge key by key, anything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out
+
+
+def replica(index: int, gpu: str, cpu: bool) -> dict[str, Any]:
+    """The whole service of a replica past the two that compose.yaml defines."""
+    services = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
+    service = copy.deepcopy(services["duplexserve-1"])  # the anchors resolved: x-server, profile scale
+    if cpu:
+        cpu_services = yaml.safe_load((DOCKER / "compose.cpu.yaml").read_text())["services"]
+        service = merged(service, cpu_services["duplexserve-1"])
+        service["ports"] = [f"${{DUPLEXSERVE_PUBLISH_PORT_{index}:-{8998 + index}}}:8998"]
+    service["environment"]["NVIDIA_VISIBLE_DEVICES"] = gpu
+    return service
+
+
+def compose_override(gpus: list[str], cpu: bool, site: Path) -> dict[str, Any]:
+    services: dict[str, Any] = {}
+    for index, gpu in enumerate(gpus):
+        if index < 2:  # compose.yaml has these two: only their GPU changes
+            services[replica_name(index)] = {"environment": {"NVIDIA_VISIBLE_DEVICES": gpu}}
+        else:
+            services[replica_name(index)] = replica(index, gpu, cpu)
+    services["lb"] = {
+        "volumes": [f"{site.resolve()}:/etc/nginx/conf.d/default.conf:ro"],
+        "depends_on": {replica_name(i): {"condition": "service_healthy"} for i in range(len(gpus))},
+    }
+    return {"services": services}
+
+
+def nginx_site(count: int) -> str:
+    """docker/nginx/duplexserve.conf with one upstream server line per replica."""
+    site = (DOCKER / "nginx" / "duplexserve.conf").read_text()
+    lines = SERVER_LINE.findall(site)
+    if not lines:
+        raise SystemExit("docker/nginx/duplexserve.conf: no 'server duplexserve:8998 ...' line")
+    indent, _, options = lines[0]
+    servers = "\n".join(f"{indent}server {replica_name(i)}:8998 {options}" for i in range(count))
+    first = SERVER_LINE.search(site)
+    assert first is not None
+    rest = re.sub(r"\n" + SERVER_LINE.pattern[1:], "", site[first.end():], flags=re.MULTILINE)
+    return site[:first.start()] + servers + rest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gpus", default=os.environ.get("DUPLEXSERVE_GPUS", ""),
+                        help="GPU indices or UUIDs, comma-separated (default: $DUPLEXSERVE_GPUS)")
+    parser.add_argument("--cpu", action="store_true", help="replicas on the CPU image (compose.cpu.yaml)")
+    parser.add_argument("--out", type=Path, default=DOCKER / "gpus")
+    args = parser.parse_args()
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if len(gpus) < 2:
+        print("compose-gpus: name two or more GPUs (DUPLEXSERVE_GPUS=0,1); for one, set DUPLEXSERVE_GPU "
+              "and use docker/compose.yaml as it is", file=sys.stderr)
+        return 2
+    if len(set(gpus)) != len(gpus):
+        print(f"compose-gpus: a GPU named twice in {args.gpus}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / ".gitignore").write_text("*\n")
+    header = (f"# Written by scripts/compose-gpus.py for GPUs {','.join(gpus)}"
+              f"{' (CPU replicas)' if args.cpu else ''}: do not edit, run it again.\n")
+    (args.out / "compose.yaml").write_text(
+        header + yaml.safe_dump(
+            compose_override(gpus, args.cpu, args.out / "duplexserve.conf"), sort_keys=False, width=1000
+        )
+    )
+    (args.out / "duplexserve.conf").write_text(header + nginx_site(len(gpus)))
+    print(f"{args.out}/compose.yaml: {len(gpus)} replicas; {args.out}/duplexserve.conf: the upstreams")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

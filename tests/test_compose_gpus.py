@@ -1,0 +1,168 @@
+"""N GPUs on one host from one setting: scripts/compose-gpus.py.
+
+The generator's compose override and nginx site for 2, 4 and 8 GPUs; `docker-compose config`
+on compose.yaml with the override (where docker-compose is installed, as in CI); and the
+generated site in Debian's nginx before four real server processes (as tests/test_nginx.py
+runs the shipped one before two): sessions spread evenly, a full replica's 503 is retried on
+another, a draining replica finishes its calls while the other three take the new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests import test_nginx
+from tests.test_kubernetes import require_tool
+from tests.test_nginx import NGINX, REPLICA, Live, nginx_in_front, refused_status, sessions
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATOR = ROOT / "scripts" / "compose-gpus.py"
+SHIPPED_SITE = ROOT / "docker" / "nginx" / "duplexserve.conf"
+
+
+def generate(out: Path, gpus: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(GENERATOR), "--out", str(out), *flags],
+                          env={**os.environ, "DUPLEXSERVE_GPUS": gpus}, capture_output=True, text=True)
+
+
+def other_lines(site: str) -> list[str]:
+    return [x for x in site.splitlines() if not x.strip().startswith(("server duplexserve", "# Written"))]
+
+
+def server_lines(site: str) -> list[str]:
+    return [line.strip() for line in site.splitlines() if line.strip().startswith("server duplexserve")]
+
+
+@pytest.mark.parametrize("gpus", ["0,1", "0,1,2,3", "0,1,2,3,4,5,6,7", "GPU-a1,GPU-b2,GPU-c3"])
+def test_one_replica_and_one_upstream_per_gpu(tmp_path, gpus) -> None:
+    ids = gpus.split(",")
+    assert generate(tmp_path, gpus).returncode == 0
+    services = yaml.safe_load((tmp_path / "compose.yaml").read_text())["services"]
+    names = ["duplexserve", *(f"duplexserve-{i}" for i in range(1, len(ids)))]
+    assert list(services) == [*names, "lb"]
+    assert [services[n]["environment"]["NVIDIA_VISIBLE_DEVICES"] for n in names] == ids
+    for name in names[2:]:  # whole services, as compose.yaml's duplexserve-1 on their own GPU
+        assert services[name]["runtime"] == "nvidia" and services[name]["profiles"] == ["scale"]
+    assert list(services["lb"]["depends_on"]) == names
+    site = (tmp_path / "duplexserve.conf").read_text()
+    assert server_lines(site) == [f"server {n}:8998 max_fails=1 fail_timeout=2s;" for n in names]
+    # Everything but the server lines is the shipped site.
+    shipped = SHIPPED_SITE.read_text()
+    assert other_lines(site) == other_lines(shipped)
+    mount = f"{(tmp_path / 'duplexserve.conf').resolve()}:/etc/nginx/conf.d/default.conf:ro"
+    assert services["lb"]["volumes"] == [mount]
+
+
+def test_one_gpu_or_a_gpu_twice_is_refused(tmp_path) -> None:
+    assert generate(tmp_path, "0").returncode == 2
+    assert generate(tmp_path, "0,1,0").returncode == 2
+    assert not (tmp_path / "compose.yaml").exists()
+
+
+def test_cpu_replicas_are_the_cpu_overrides(tmp_path) -> None:
+    assert generate(tmp_path, "0,1,2,3", "--cpu").returncode == 0
+    services = yaml.safe_load((tmp_path / "compose.yaml").read_text())["services"]
+    for i in (2, 3):
+        s = services[f"duplexserve-{i}"]
+        assert s["runtime"] == "runc" and s["image"] == "${DUPLEXSERVE_IMAGE:-duplexserve:cpu}"
+        assert s["environment"]["DUPLEXSERVE_ENGINE"] == "${DUPLEXSERVE_ENGINE:-synthetic}"
+        assert s["ports"] == [f"${{DUPLEXSERVE_PUBLISH_PORT_{i}:-{8998 + i}}}:8998"]
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_compose_config_accepts_the_override(tmp_path, cpu) -> None:
+    compose = shutil.which("docker-compose")
+    require_tool(compose, "docker-compose (Debian package docker-compose)")
+    out = tmp_path / "gpus"
+    assert generate(out, "0,1,2,3", *(["--cpu"] if cpu else [])).returncode == 0
+    files = ["docker/compose.yaml", *(["docker/compose.cpu.yaml"] if cpu else []), str(out / "compose.yaml")]
+    args = [a for f in files for a in ("-f", f)]
+    config = subprocess.run([compose, *args, "--profile", "scale", "config"], cwd=ROOT,
+                            capture_output=True, text=True, env={**os.environ, "HF_HOME": str(tmp_path)})
+    assert config.returncode == 0, config.stderr
+    services = yaml.safe_load(config.stdout)["services"]
+    replicas = ["duplexserve", "duplexserve-1", "duplexserve-2", "duplexserve-3"]
+    assert sorted(set(services) - {"lb", "loadgen"}) == replicas
+    assert [services[r]["environment"]["NVIDIA_VISIBLE_DEVICES"] for r in replicas] == ["0", "1", "2", "3"]
+    assert {services[r].get("runtime") for r in replicas} == {"runc" if cpu else "nvidia"}
+
+
+@pytest.mark.skipif(not os.path.exists(NGINX), reason=f"nginx not installed at {NGINX}")
+def test_four_replicas_behind_the_generated_site(server_factory, tmp_path, monkeypatch) -> None:
+    """Four servers, three slots each, behind nginx with the site generated for four GPUs."""
+    servers = [server_factory("--max-sessions", "3", "--drain-grace-s", "60", *REPLICA) for _ in range(4)]
+    assert generate(tmp_path / "gpus", "0,1,2,3").returncode == 0
+    site = (tmp_path / "gpus" / "duplexserve.conf").read_text()
+    for i in (2, 3):  # tests/test_nginx.py puts the first two on their ports
+        site = site.replace(f"server duplexserve-{i}:8998 ", f"server 127.0.0.1:{servers[i].port} ")
+    (tmp_path / "site.conf").write_text(site)
+    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", tmp_path / "site.conf")
+
+    def counts() -> list[int]:
+        return [sessions(s) for s in servers]
+
+    async def open_via(url: str) -> tuple[Live, int]:
+        """A session through nginx, and the replica that took it (whose count went up)."""
+        before = counts()
+        session = await Live.open(url)
+        after = counts()
+        (replica,) = [i for i in range(4) if after[i] == before[i] + 1]
+        return session, replica
+
+    async def main(url: str) -> None:
+        # least_conn: eight sessions, two on each replica.
+        live = [await open_via(url) for _ in range(8)]
+        await asyncio.gather(*(s.exchange(2) for s, _ in live))
+        assert counts() == [2, 2, 2, 2]
+        # Replica 0 filled directly (nginx cannot know): the next three through nginx all land
+        # elsewhere, one that nginx sends to replica 0 retried on its 503.
+        direct = await Live.open(servers[0].ws())
+        live += [await open_via(url) for _ in range(3)]
+        assert sorted(r for _, r in live[8:]) == [1, 2, 3]
+        assert counts() == [3, 3, 3, 3]
+        assert await refused_status(url) == 503  # every replica full
+        await asyncio.sleep(2.5)  # nginx skips a replica that said 503 for fail_timeout (2 s)
+        # Room on replicas 1 and 2; replica 3 drains (SIGTERM) with its three calls open.
+        for replica in (1, 2):
+            session = next(s for s, r in live if r == replica)
+            assert (await session.finish())["reason"] == "completed"
+            live.remove((session, replica))
+        servers[3].proc.send_signal(signal.SIGTERM)
+        await wait_draining(servers[3])
+        new = [await open_via(url) for _ in range(2)]
+        assert sorted(r for _, r in new) == [1, 2]  # none to the draining replica
+        await asyncio.gather(*(s.exchange(2) for s, _ in new))
+        # Replica 3's calls go on and end normally; then it exits by itself.
+        draining = [s for s, r in live if r == 3]
+        assert len(draining) == 3
+        await asyncio.gather(*(s.exchange(3) for s in draining))
+        for s in draining:
+            closed = await s.finish()
+            assert closed["reason"] == "completed" and closed["frames_out"] == s.sent
+        assert await asyncio.to_thread(servers[3].proc.wait, 15) == 0
+        for s in [direct, *(s for s, r in live + new if r != 3)]:
+            assert (await s.finish())["reason"] == "completed"
+
+    with nginx_in_front(tmp_path, servers[0], servers[1]) as url:
+        asyncio.run(main(url))
+
+
+async def wait_draining(server) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.get(server.http + "/ready", timeout=2)
+        if r.status_code == 503 and r.json()["draining"]:
+            return
+        assert time.monotonic() < deadline, "never started draining"
+        await asyncio.sleep(0.1)

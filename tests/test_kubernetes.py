@@ -1,0 +1,211 @@
+"""deploy/kubernetes: every overlay renders with kustomize and validates, and its settings agree.
+
+Rendering is `kubectl kustomize` (kustomize v5, kubectl 1.27 or later) or a standalone
+`kustomize`. Kubernetes' own kinds are validated against the API schemas of the versions
+docs/deploy.md claims (the `kubernetes-validate` package, strict: unknown fields fail), the
+custom kinds against the schemas of their CRDs vendored in deploy/kubernetes/schemas/
+(scripts/vendor-crd-schemas.py; versions in SOURCES.md there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBE = ROOT / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
+#: The Kubernetes versions docs/deploy.md claims: the oldest and the newest validated.
+K8S_VERSIONS = ("1.29.0", "1.35.0")
+#: Custom kinds: validated against deploy/kubernetes/schemas/GROUP/KIND_VERSION.json.
+CUSTOM_GROUPS = ("keda.sh", "gateway.networking.k8s.io", "gateway.envoyproxy.io", "monitoring.coreos.com")
+#: What the preStop sleep and the margin take out of the grace before the server's own drain.
+RESERVE_S = 15
+
+
+def kustomize_command() -> list[str] | None:
+    if shutil.which("kubectl"):
+        out = subprocess.run(["kubectl", "version", "--client", "-o", "json"], capture_output=True, text=True)
+        if out.returncode == 0 and json.loads(out.stdout).get("kustomizeVersion", "").startswith("v5"):
+            return ["kubectl", "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    return None
+
+
+def require_tool(found: object, what: str) -> None:
+    """Skip without the tool, except under CI, where a missing install must fail."""
+    if not found:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{what} is required under CI")
+        pytest.skip(f"{what} not installed")
+
+
+def render(overlay: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k overlay` would send."""
+    command = kustomize_command()
+    require_tool(command, "kustomize v5 (kubectl 1.27+ or kustomize)")
+    out = subprocess.run([*command, str(overlay)], capture_output=True, text=True, check=True)
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} objects of kind {kind}"
+    return found[0]
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def env(objects: list[dict[str, Any]]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container(objects)["env"]}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(KUBE / "overlays" / request.param)
+
+
+def crd_schema(obj: dict[str, Any]) -> dict[str, Any]:
+    group, version = obj["apiVersion"].split("/")
+    path = KUBE / "schemas" / group / f"{obj['kind']}_{version}.json"
+    assert path.exists(), f"no vendored schema for {obj['apiVersion']} {obj['kind']}"
+    return json.loads(path.read_text())
+
+
+def validate_custom(obj: dict[str, Any]) -> None:
+    """Against the CRD's schema as is: not checked against the metaschema, since some of its
+    patterns are Go's (RE2 flags Python's re refuses) in fields this project never sets."""
+    jsonschema.Draft7Validator(crd_schema(obj)).validate(obj)
+
+
+def test_every_object_validates(rendered) -> None:
+    _, objects = rendered
+    kinds = {o["kind"] for o in objects}
+    assert kinds >= {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "Gateway",
+                     "HTTPRoute", "BackendTrafficPolicy", "ClientTrafficPolicy", "ScaledObject",
+                     "ServiceMonitor", "PrometheusRule"}
+    for obj in objects:
+        if obj["apiVersion"].split("/")[0] in CUSTOM_GROUPS:
+            validate_custom(obj)
+        else:
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schemas_catch_a_misspelt_field(rendered) -> None:
+    """The validation has teeth for both families: an unknown field fails."""
+    _, objects = rendered
+    route = json.loads(json.dumps(one(objects, "BackendTrafficPolicy")))
+    route["spec"]["loadBalancer"]["type"] = "LeastConnections"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom(route)
+    deployment = json.loads(json.dumps(one(objects, "Deployment")))
+    deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+def test_pod_is_one_gpu_locked_down_and_probed(rendered) -> None:
+    _, objects = rendered
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    c = container(objects)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 4 * 65  # Hibiki-Zero's 65 s start
+    e = env(objects)
+    assert e["HF_HUB_OFFLINE"] == "1" and e["DUPLEXSERVE_REFUSE_WITH_HTTP_503"] == "true"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/huggingface"]["readOnly"] is True
+    for var in ("TMPDIR", "HOME", "TRITON_CACHE_DIR"):
+        assert any(e[var].startswith(path) for path in mounts), f"{var} is not on a writable volume"
+
+
+def test_drain_grace_follows_the_pod_grace(rendered) -> None:
+    """One setting: the server drains for terminationGracePeriodSeconds - 15 s (the preStop
+    sleep and a margin), and the drain-past-grace alert waits the grace."""
+    _, objects = rendered
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    assert env(objects)["DUPLEXSERVE_TERMINATION_GRACE_S"] == str(grace)
+    c = container(objects)
+    assert f"$((DUPLEXSERVE_TERMINATION_GRACE_S - {RESERVE_S}))" in c["args"][0]
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and int(pre_stop[1]) < RESERVE_S
+    rules = one(objects, "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert next(r for r in rules if r.get("alert") == "DuplexserveDrainPastGrace")["for"] == f"{grace}s"
+
+
+def test_a_grace_set_in_an_overlay_carries_to_the_server_and_the_alert(tmp_path) -> None:
+    """The overlay's model patch sets terminationGracePeriodSeconds: both followers follow."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, copy)
+    patch = copy / "overlays" / "hibiki-zero-3b" / "model" / "model.yaml"
+    grace = "    spec:\n      terminationGracePeriodSeconds: 1800\n"
+    patch.write_text(patch.read_text().replace("    spec:\n", grace, 1))
+    objects = render(copy / "overlays" / "hibiki-zero-3b")
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 1800
+    assert env(objects)["DUPLEXSERVE_TERMINATION_GRACE_S"] == "1800"
+    rules = one(objects, "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert next(r for r in rules if r.get("alert") == "DuplexserveDrainPastGrace")["for"] == "1800s"
+
+
+def test_model_per_overlay(rendered) -> None:
+    name, objects = rendered
+    e = env(objects)
+    repo = {"moshi-7b": "kyutai/moshiko-pytorch-bf16", "hibiki-2b": "kyutai/hibiki-2b-pytorch-bf16",
+            "hibiki-zero-3b": "kyutai/hibiki-zero-3b-pytorch-bf16@23b3e0b41782026c81dd5283a034107b01f9e513",
+            "personaplex-7b": "nvidia/personaplex-7b-v1"}[name]
+    assert e["DUPLEXSERVE_MOSHI_HF_REPO"] == repo and e["DUPLEXSERVE_MOSHI_WEIGHTS"] == ""
+    assert (e.get("DUPLEXSERVE_MOSHI_CFG_COEF") == "3") == (name == "hibiki-2b")
+    assert (e.get("DUPLEXSERVE_MOSHI_KV_DTYPE") == "int8") == (name == "hibiki-zero-3b")
+    assert bool(e.get("DUPLEXSERVE_VOICE_PROMPT_DIR")) == (name == "personaplex-7b")
+
+
+def test_autoscaler_counts_slots_of_its_own_namespace(rendered) -> None:
+    _, objects = rendered
+    namespace = one(objects, "Namespace")["metadata"]["name"]
+    scaled = one(objects, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == one(objects, "Deployment")["metadata"]["name"]
+    trigger = scaled["spec"]["triggers"][0]
+    query = trigger["metadata"]["query"]
+    assert "NAMESPACE" not in query
+    assert set(re.findall(r'namespace="([^"]*)"', query)) == {namespace}
+    assert 0 < float(trigger["metadata"]["threshold"]) < 1 and trigger["metricType"] == "Value"
+    down = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] >= 300
+    assert [(p["type"], p["value"]) for p in down["policies"]] == [("Pods", 1)]
+
+
+def test_gateway_balances_least_request_and_retries_503(rendered) -> None:
+    _, objects = rendered
+    policy = one(objects, "BackendTrafficPolicy")["spec"]
+    assert policy["loadBalancer"]["type"] == "LeastRequest"
+    assert 503 in policy["retry"]["retryOn"]["httpStatusCodes"]
+    assert policy["timeout"]["http"]["requestTimeout"] == "0s"
+    route = one(objects, "HTTPRoute")["spec"]["rules"][0]
+    assert route["timeouts"]["request"] == "0s"
+    assert route["backendRefs"][0]["name"] == one(objects, "Service")["metadata"]["name"]
+    dashboard = one(objects, "ConfigMap")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["duplexserve.json"])["uid"] == "duplexserve-fleet"
