@@ -231,6 +231,20 @@ def test_every_relative_link_leads_to_a_file_and_heading_the_repository_has():
     assert not broken, "\n".join(broken)
 
 
+def test_the_repository_cites_only_files_it_has():
+    """The design files the project follows are not in the repository: its docs state what they
+    take from them (docs/protocol.md the wire contract, docs/benchmarks.md's Definitions,
+    docs/architecture.md), and every page, comment and docstring cites those."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    cites = re.compile(r"\b(?:BENCHMARKS|PROTOCOL|ARCHITECTURE)\.md\b")
+    found = []
+    for name in tracked.stdout.splitlines():
+        with contextlib.suppress(UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            text = (ROOT / name).read_text()
+            found += [f"{name}: {m}" for m in cites.findall(text)]
+    assert not found, "\n".join(found)
+
+
 def test_the_benchmarks_tables_serve_command_is_what_its_bench_command_starts():
     """Each row of docs/benchmarks.md's first table: the ``serve`` command it gives is the one
     ``bench moshi-rtf`` with the row's arguments prints (less its port and idle timeout)."""

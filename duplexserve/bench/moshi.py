@@ -1,4 +1,4 @@
-"""Benchmarks of the moshi engine (docs/benchmarks.md, "moshi engine on one H200").
+"""Benchmarks of the moshi engine (docs/benchmarks.md: "Sessions one H200 holds", `moshi-steps`).
 
     steps  GPU step time against batch size, engine alone (no server): one step =
            Mimi encode + LMGen step + Mimi decode over every slot, CUDA graphs on; also
@@ -18,7 +18,7 @@
 (scripts/bench-moshi-h200.sh runs them on the H200).
 
 This compact paced client stands in for ``duplexserve loadgen`` (built beside it) so
-that the H200 run depends on nothing but the server; its metrics follow BENCHMARKS.md.
+that the H200 run depends on nothing but the server; its metrics follow docs/benchmarks.md.
 """
 
 from __future__ import annotations
