@@ -1,4 +1,4 @@
-"""Stable error codes and the WebSocket close codes of PROTOCOL.md."""
+"""Stable error codes and the WebSocket close codes of docs/protocol.md."""
 
 from __future__ import annotations
 

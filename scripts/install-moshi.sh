@@ -21,11 +21,17 @@ TORCH_VERSION="${DUPLEXSERVE_TORCH_VERSION:-2.13.0}"
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${TORCH_VERSION}"
 fi
-"$PY" -m pip install -q --no-deps "moshi==0.2.13"
+# What moshi imports first, moshi itself last: pip checks every installed package's declared
+# requirements after an install that resolves dependencies, and with moshi already there it
+# prints "ERROR: ... moshi 0.2.13 requires torch<2.10" although nothing failed; an install
+# with --no-deps skips that check.
 "$PY" -m pip install -q "safetensors>=0.4,<0.8" "huggingface-hub>=0.24,<1.0" "einops>=0.7,<0.9" \
   "sentencepiece>=0.2,<0.3" "numpy>=1.26,<3" "pyloudnorm>=0.1.1,<0.3"
+"$PY" -m pip install -q --no-deps "moshi==0.2.13"
 "$PY" -c "import moshi.models, torch; print('moshi', moshi.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 if [ "${DUPLEXSERVE_TORCH_CUDA:-0}" = 1 ] && ! "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is None)"; then
   echo "install-moshi.sh: DUPLEXSERVE_TORCH_CUDA=1 but the torch installed is not a CUDA build" >&2
   exit 1
 fi
+echo "install-moshi.sh: done. moshi 0.2.13 declares torch<2.10 and numpy<2.3 and runs on the torch" \
+  "above: where pip (pip check, a later pip install) reports that as a conflict, it is expected"

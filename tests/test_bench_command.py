@@ -34,6 +34,34 @@ def test_each_benchmark_keeps_its_own_options():
     assert parse("codec-costs", "--opus-encoders").opus_encoders
 
 
+def test_moshi_rtf_takes_serves_option_names_and_gives_the_serve_command_it_starts():
+    """A setup reads the same in ``bench moshi-rtf`` and ``serve``: serve's names set the same
+    options as the bench's own, and the serve command it prints is one ``serve`` parses into
+    that setup (engine options at serve's defaults left out)."""
+    from duplexserve.bench.moshi import serve_arguments
+    from duplexserve.config import ServerConfig
+
+    own = parse("moshi-rtf", "--preset", "hibiki-zero-3b", "--kv-dtype", "int8", "--tick-ms", "80")
+    serves = parse("moshi-rtf", "--moshi-preset", "hibiki-zero-3b", "--moshi-kv-dtype", "int8",
+                   "--engine-tick-ms", "80")  # fmt: skip
+    assert vars(own) == vars(serves)
+    args = parse("moshi-rtf", "--moshi-preset", "hibiki-zero-3b", "--moshi-kv-dtype", "int8",
+                 "--sessions", "384,448", "--engine-process", "--mimi-convs", "fused-cl")  # fmt: skip
+    argv = serve_arguments(args)
+    assert argv == [
+        "serve", "--engine", "moshi", "--moshi-preset", "hibiki-zero-3b", "--moshi-kv-dtype", "int8",
+        "--moshi-mimi-convs", "fused-cl", "--max-sessions", "448", "--engine-process",
+        "--port", "18990", "--idle-timeout-s", "120",
+    ]  # fmt: skip
+    serve_parser = argparse.ArgumentParser()
+    ServerConfig.add_arguments(serve_parser)
+    config = ServerConfig.from_namespace(serve_parser.parse_args(argv[1:]))
+    setup = (config.engine, config.moshi_preset, config.max_sessions, config.engine_process)
+    assert setup == ("moshi", "hibiki-zero-3b", 448, True)
+    engine = (config.moshi_kv_dtype, config.moshi_mimi_convs, config.moshi_attention)
+    assert engine == ("int8", "fused-cl", "live")
+
+
 def test_every_benchmark_names_functions_that_exist():
     for name, bench in command.BENCHMARKS.items():
         module = importlib.import_module(f"duplexserve.bench.{bench.module}")
@@ -70,7 +98,11 @@ def test_moshi_rtf_runs_each_count_twice_on_one_server_and_counts_each_run_apart
     cmd = [sys.executable, "-m", "duplexserve", "bench", *argv]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    serve = "duplexserve serve --engine synthetic --step-base-ms 5 --max-sessions 2"
+    serve += f" --port {port} --idle-timeout-s 120"
+    assert done.stdout.splitlines()[0] == f"serve command: {serve}"
     runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(run["serve"] == serve for run in runs)
     assert [run["sessions"] for run in runs] == [1, 1, 2, 2]
     assert runs[0]["startup_s"] > 0 and all(run["startup_s"] == 0 for run in runs[1:])
     for run in runs:

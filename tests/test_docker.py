@@ -99,7 +99,7 @@ def test_compose_profiles_add_loadgen_and_scale_out() -> None:
     assert services["loadgen"]["profiles"] == ["loadgen"]
     assert services["lb"]["profiles"] == services["duplexserve-1"]["profiles"] == ["scale"]
     loadgen = services["loadgen"]
-    # The profile's command is one the real loadgen accepts: BENCHMARKS.md's RTF run.
+    # The profile's command is one the real loadgen accepts: docs/benchmarks.md's RTF run.
     command = loadgen["command"]
     assert command[0] == "loadgen"
     parser = argparse.ArgumentParser()

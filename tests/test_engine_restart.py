@@ -1,4 +1,4 @@
-"""An engine restart never silently resets a live conversation (PROTOCOL.md, Guarantees).
+"""An engine restart never silently resets a live conversation (docs/protocol.md, "What is guaranteed").
 
 Every session whose model state was lost (every slot of the engine that raised, died or
 stalled, whatever batch its frame was in) ends with ``engine_error`` and 1011 in its

@@ -1,6 +1,6 @@
 """Property-based attacks: random chunking, random bytes, broken JSON, events out of order.
 
-Whatever a client sends, the server answers with an error from PROTOCOL.md's table or
+Whatever a client sends, the server answers with an error from docs/protocol.md's table or
 serves it, never crashes, and the next client is served normally.
 """
 

@@ -160,7 +160,7 @@ def test_order_holds_when_the_engine_queue_is_full(server_factory):
 
 def test_delay_frames_answers_with_silence_first_and_input_end_finishes_the_answer(server_factory):
     """A model answering 3 frames late is stepped on 3 frames of silence after input.end
-    (PROTOCOL.md): the echo of the last input frame is heard, as tail frames 6 to 8."""
+    (docs/protocol.md): the echo of the last input frame is heard, as tail frames 6 to 8."""
     server = server_factory("--delay-frames", "3")
     audio = signal(6, seed=11)
     res = run(converse(server.ws(), [audio.tobytes()]))

@@ -6,7 +6,7 @@ prompt heard through any protocol's way of carrying it answers the same, and ano
 prompt answers otherwise. The clients are the real ones or behave like them: websockets
 for the native protocol, Kyutai's client's wire handling for ``/api/chat`` (with
 PersonaPlex's query fields), the ``openai`` SDK for Realtime. The error cases of
-PROTOCOL.md too, and ``prompt_unsupported`` on the synthetic echo engine.
+docs/protocol.md too, and ``prompt_unsupported`` on the synthetic echo engine.
 """
 
 from __future__ import annotations

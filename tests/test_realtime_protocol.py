@@ -486,7 +486,7 @@ def test_load_generator_drives_realtime_with_its_guards_held(rt_server, output, 
 def test_the_documented_example_works(rt_server):
     from tests.test_moshi_protocol import doc_example
 
-    env = {**os.environ, "DUPLEXSERVE_HTTP": rt_server.http, "OPENAI_API_KEY": KEY}
+    env = {**os.environ, "DUPLEXSERVE_HTTP": rt_server.http, "DUPLEXSERVE_API_KEY": KEY}
     done = subprocess.run(
         [sys.executable, "-c", doc_example("realtime")], env=env, capture_output=True, text=True, timeout=60
     )

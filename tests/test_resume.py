@@ -191,7 +191,7 @@ async def connect_and_abort(url: str, frames: int = 0) -> str:
 
 
 def test_a_full_server_of_detached_sessions_admits_a_full_set_of_new_ones(server_factory):
-    """PROTOCOL.md, "Under pressure": detached sessions never keep live ones out."""
+    """docs/protocol.md, "Under pressure": detached sessions never keep live ones out."""
     server = server_factory("--max-sessions", "16", "--max-detached", "16")
 
     async def go() -> None:

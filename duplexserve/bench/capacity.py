@@ -2,7 +2,7 @@
 
 At every count the uvicorn echo, the picows echo and duplexserve take the same paced
 load in turn (order alternating), and latency is read over the steady window, while
-every session is streaming. BENCHMARKS.md's goal: 2000 sessions on one server core,
+every session is streaming. docs/benchmarks.md's goal (Definitions): 2000 sessions on one server core,
 every frame back in order, p99 round trip at most 2x the picows echo's at the same
 count in the same run. A count holds when duplexserve's guards hold and its p99 is
 within that bound (within 1.2x of the uvicorn echo's where picows is not installed).
@@ -17,7 +17,7 @@ from typing import Any
 from duplexserve.bench import floors
 
 GOAL_SESSIONS = 2000
-PICOWS_BOUND = 2.0  # BENCHMARKS.md: p99 at most 2x the picows echo's
+PICOWS_BOUND = 2.0  # docs/benchmarks.md, Definitions: p99 at most 2x the picows echo's
 UVICORN_BOUND = 1.2  # the earlier target, used only without picows
 
 
@@ -168,7 +168,7 @@ def _print(bench: Any, rows: dict[str, Any], steady_s: float) -> None:
 
 
 def _goal(rows: dict[str, Any], judge: str, bound: float) -> str:
-    """BENCHMARKS.md's paced goal, judged at 2000 when the sweep reached it."""
+    """docs/benchmarks.md's paced goal, judged at 2000 when the sweep reached it."""
     row = rows.get(str(GOAL_SESSIONS))
     if row is None:
         return f"goal ({GOAL_SESSIONS} sessions) not judged: the sweep did not run {GOAL_SESSIONS}"

@@ -5,7 +5,7 @@ stack: what ASGI under uvicorn costs with nothing behind it. The same echo on
 duplexserve's fast path (``--ws fast``) is the floor of that path's framing and
 transport: what duplexserve costs beyond it is its sessions and engine hand-off. The picows echo
 (:mod:`duplexserve.loadgen.echo_picows`) is the floor of Python WebSocket code, the one
-BENCHMARKS.md's paced goal is judged against. All run beside duplexserve in one run,
+docs/benchmarks.md's paced goal is judged against. All run beside duplexserve in one run,
 since timings are only comparable within the same minute.
 
 A floor is only a floor if the client can outrun it: the load generator's own CPU per

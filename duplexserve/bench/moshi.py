@@ -1,4 +1,4 @@
-"""Benchmarks of the moshi engine (docs/benchmarks.md, "moshi engine on one H200").
+"""Benchmarks of the moshi engine (docs/benchmarks.md: "Sessions one H200 holds", `moshi-steps`).
 
     steps  GPU step time against batch size, engine alone (no server): one step =
            Mimi encode + LMGen step + Mimi decode over every slot, CUDA graphs on; also
@@ -11,12 +11,14 @@
            frame round trip, frame lateness, server CPU per frame and the step times;
            ``--runs`` repeats the run and ``--sessions`` may list several counts,
            all on the same server (its slots the largest count), a summary each.
+           It prints the ``duplexserve serve`` command it starts, under serve's option
+           names (which it takes too: ``--moshi-kv-dtype`` as ``--kv-dtype``).
 
 ``duplexserve bench moshi-steps`` and ``duplexserve bench moshi-rtf``
 (scripts/bench-moshi-h200.sh runs them on the H200).
 
 This compact paced client stands in for ``duplexserve loadgen`` (built beside it) so
-that the H200 run depends on nothing but the server; its metrics follow BENCHMARKS.md.
+that the H200 run depends on nothing but the server; its metrics follow docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -354,25 +357,41 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
     return results
 
 
+#: The engine options moshi-rtf passes on: its own name (``--kv-dtype``) and serve's
+#: (``--moshi-kv-dtype``) both set it, the value goes to serve as ``moshi_<name>``.
+ENGINE_OPTIONS = (
+    "context", "attention", "kv_dtype", "depformer",
+    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs",
+)  # fmt: skip
+
+
+def serve_arguments(args: argparse.Namespace) -> list[str]:
+    """The ``duplexserve serve`` arguments of this run's server: the setup under serve's own
+    names, each engine option only where it differs from serve's default, so that the
+    printed command reproduces the measured setup and says nothing else."""
+    from duplexserve.config import ServerConfig
+
+    defaults = ServerConfig()
+    if args.synthetic_step_ms:  # the scheduling alone, no GPU: a full-batch step of fixed cost
+        engine = ["--engine", "synthetic", "--step-base-ms", f"{args.synthetic_step_ms:g}"]
+    else:
+        engine = ["--engine", "moshi", "--moshi-preset", args.preset]
+        for name in ENGINE_OPTIONS:
+            if getattr(args, name) != getattr(defaults, f"moshi_{name}"):
+                engine += [f"--moshi-{name.replace('_', '-')}", str(getattr(args, name))]
+    return [
+        "serve", *engine, "--max-sessions", str(max(args.sessions)),
+        *(["--engine-process"] if args.engine_process else []),
+        *(["--engine-tick-ms", f"{args.tick_ms:g}"] if args.tick_ms != defaults.engine_tick_ms else []),
+        "--port", str(args.port), "--idle-timeout-s", "120",
+    ]  # fmt: skip
+
+
 def cmd_rtf(args: argparse.Namespace) -> None:
     port = args.port
-    server_cmd = [
-        sys.executable, "-m", "duplexserve", "serve", "--port", str(port),
-        "--max-sessions", str(max(args.sessions)), "--log-level", "info",
-        "--idle-timeout-s", "120", *(["--engine-process"] if args.engine_process else []),
-        "--engine-tick-ms", str(args.tick_ms),
-    ]  # fmt: skip
-    if args.synthetic_step_ms:  # the scheduling alone, no GPU: a full-batch step of fixed cost
-        server_cmd += ["--engine", "synthetic", "--step-base-ms", str(args.synthetic_step_ms)]
-    else:
-        server_cmd += [
-            "--engine", "moshi", "--moshi-preset", args.preset,
-            *(["--moshi-context", str(args.context)] if args.context else []),
-            "--moshi-attention", args.attention, "--moshi-kv-dtype", args.kv_dtype,
-            "--moshi-depformer", args.depformer, "--moshi-mimi-attention", args.mimi_attention,
-            "--moshi-fp32-matmul", args.fp32_matmul, "--moshi-mimi-graph", args.mimi_graph,
-            "--moshi-mimi-convs", args.mimi_convs,
-        ]  # fmt: skip
+    serve = serve_arguments(args)
+    print("serve command:", shlex.join(["duplexserve", *serve]), flush=True)
+    server_cmd = [sys.executable, "-m", "duplexserve", *serve]
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
         proc = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -390,7 +409,8 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         with open(args.out or os.devnull, "w") as out:
             for sessions in args.sessions:  # each count R times, all on this one server
                 for _ in range(args.runs):
-                    out.write(json.dumps(_run_once(args, sessions, port, proc.pid, startup)) + "\n")
+                    summary = _run_once(args, sessions, port, proc.pid, startup)
+                    out.write(json.dumps({**summary, "serve": shlex.join(["duplexserve", *serve])}) + "\n")
                     out.flush()
                     startup = 0.0  # the server's start counts in the first run's line only
     finally:
@@ -529,7 +549,7 @@ def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, star
 
 
 def add_steps_arguments(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--preset", default="hibiki-2b-class")
+    s.add_argument("--preset", "--moshi-preset", default="hibiki-2b-class")
     s.add_argument("--batches", default="1,32,64,96,128,192", help="slot counts the engine is built for")
     s.add_argument(
         "--live",
@@ -539,13 +559,16 @@ def add_steps_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--steps", type=int, default=50)
     s.add_argument("--device", default="auto")
-    s.add_argument("--context", type=int, default=0)
-    s.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
+    s.add_argument("--context", "--moshi-context", type=int, default=0)
+    s.add_argument("--kv-dtype", "--moshi-kv-dtype", default="bf16", choices=("bf16", "int8"))
     s.add_argument("--out", default="")
 
 
 def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
-    r.add_argument("--preset", default="hibiki-2b-class")
+    """Each option that sets up the server also takes serve's name for it (``--moshi-kv-dtype``
+    beside ``--kv-dtype``, ``--engine-tick-ms`` beside ``--tick-ms``): a setup reads the same
+    in both commands, and the run prints the serve command it starts."""
+    r.add_argument("--preset", "--moshi-preset", default="hibiki-2b-class")
     r.add_argument(
         "--sessions",
         type=lambda text: [int(n) for n in text.split(",")],
@@ -555,16 +578,19 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--seconds", type=float, default=60.0)
     r.add_argument("--message-ms", type=int, default=160)
     r.add_argument("--engine-process", action="store_true")
-    r.add_argument("--context", type=int, default=0)
-    r.add_argument("--attention", default="live", choices=("live", "stock"))
-    r.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8"))
-    r.add_argument("--depformer", default="lean", choices=("stock", "lean"))
-    r.add_argument("--mimi-attention", default="live", choices=("live", "stock"))
-    r.add_argument("--fp32-matmul", default="float32", choices=("float32", "tf32"))
-    r.add_argument("--mimi-graph", default="whole", choices=("parts", "whole"))
-    r.add_argument("--mimi-convs", default="fused", choices=("stock", "fused", "fused-cl"))
+    r.add_argument("--context", "--moshi-context", type=int, default=0)
+    r.add_argument("--attention", "--moshi-attention", default="live", choices=("live", "stock"))
+    r.add_argument("--kv-dtype", "--moshi-kv-dtype", default="bf16", choices=("bf16", "int8"))
+    r.add_argument("--depformer", "--moshi-depformer", default="lean", choices=("stock", "lean"))
+    r.add_argument("--mimi-attention", "--moshi-mimi-attention", default="live", choices=("live", "stock"))
+    r.add_argument("--fp32-matmul", "--moshi-fp32-matmul", default="float32", choices=("float32", "tf32"))
+    r.add_argument("--mimi-graph", "--moshi-mimi-graph", default="whole", choices=("parts", "whole"))
+    r.add_argument(
+        "--mimi-convs", "--moshi-mimi-convs", default="fused", choices=("stock", "fused", "fused-cl")
+    )
     r.add_argument(
         "--tick-ms",
+        "--engine-tick-ms",
         type=float,
         default=0.0,
         help="the server's --engine-tick-ms (0, its default: step at once; 80: a clock of one frame)",

@@ -16,7 +16,7 @@ table with the ratios and the targets, and writes JSON and PNG plots into ``--ou
   a 2B-class model on one H200.
 - ``capacity``: paced sessions in steps (500 to 2000), both floors and duplexserve at
   each; the largest count whose guards hold with a p99 at most 2x the picows echo's at
-  the same count (BENCHMARKS.md; 1.2x the uvicorn echo's where picows is missing).
+  the same count (docs/benchmarks.md; 1.2x the uvicorn echo's where picows is missing).
 
 Each prints the client's own ceiling (its CPU per frame, the most frames/s one client
 core drives) so a client-bound run shows as one.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-#: The synthetic step model fitted to BENCHMARKS.md's H200 2B-class table
+#: The synthetic step model fitted to docs/benchmarks.md's H200 2B-class table
 #: (1: 19.5, 32: 26.0, 64: 35.7, 96: 40.6, 128: 42.5, 192: 55.7 ms), least squares.
 H200_2B_BASE_MS = 21.0
 H200_2B_PER_SESSION_MS = 0.184
@@ -52,7 +52,7 @@ class Scale:
     burst_frames: int = 512
     reps: int = 3
     rtf_levels: tuple[int, ...] = (64, 96)
-    rtf_frames: int = 762  # 60.96 s: the 762 output frames of BENCHMARKS.md's RTF run
+    rtf_frames: int = 762  # 60.96 s: the 762 output frames of docs/benchmarks.md's RTF run
     capacity_levels: tuple[int, ...] = (500, 1000, 1500, 2000)
     capacity_steady_s: float = 20.0  # with every session streaming, after the connection ramp
 

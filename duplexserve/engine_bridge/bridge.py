@@ -470,7 +470,7 @@ class EngineBridge:
         """Start the engine anew on this thread after it failed (``cause``).
 
         Its model state is gone for every session it held, whatever batch each was in, so
-        every open slot ends with ``engine_error`` (PROTOCOL.md, Guarantees): a session
+        every open slot ends with ``engine_error`` (docs/protocol.md, "What is guaranteed"): a session
         never goes on silently on a fresh state. The new engine starts with no slot open.
         """
         self.running = False

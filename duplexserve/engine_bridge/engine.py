@@ -26,7 +26,7 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class Tail:
-    """What an engine's model needs after ``input.end`` to finish its answer (PROTOCOL.md).
+    """What an engine's model needs after ``input.end`` to finish its answer (docs/protocol.md).
 
     ``frames`` frames of silence (a dialogue model answers ``delay`` frames late, so the
     answer to the last input frame needs that many more steps), or, with ``until_done``,
@@ -42,7 +42,7 @@ NO_TAIL = Tail()
 
 
 class PromptError(ValueError):
-    """A session's prompt refused, with PROTOCOL.md's error code: ``prompt_unsupported``
+    """A session's prompt refused, with docs/protocol.md's error code: ``prompt_unsupported``
     (the model takes none; the session goes on without it), ``voice_not_found`` (fatal,
     1008), ``invalid_prompt`` (one that does not fit the model)."""
 

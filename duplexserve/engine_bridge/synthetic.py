@@ -2,7 +2,7 @@
 
 ``echo`` answers input frame i with input frame i - delay_frames (silence before),
 ``silence`` answers with zeros. Its cost per step follows the step model of
-BENCHMARKS.md: ``base_ms + per_session_ms * batch`` waited with the GIL released, as a
+docs/benchmarks.md: ``base_ms + per_session_ms * batch`` waited with the GIL released, as a
 GPU kernel wait would, and ``host_ms_per_session * batch`` of Python work holding it,
 as a per-request preprocess loop does.
 """

@@ -1,4 +1,4 @@
-"""The metrics of docs/benchmarks.md, defined once, as BENCHMARKS.md words them.
+"""The metrics of docs/benchmarks.md, defined once, as its Definitions word them.
 
 Every function here is plain arithmetic on timestamps (seconds, one monotonic clock)
 so that the tests can check it on constructed timelines. Times of a session:

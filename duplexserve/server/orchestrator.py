@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 #: How long the loop lets sessions send their answers before it polls its sockets again.
 DISPATCH_SLICE_S = 0.002
 DISPATCH_CHECK_ROWS = 16  # sessions between two looks at the clock
-#: What a session hears when the engine holding its model state failed (PROTOCOL.md, Guarantees).
+#: What a session hears when the engine holding its model state failed (docs/protocol.md, guarantees).
 _ENGINE_LOST = "the engine failed and restarts: this conversation's model state is lost"
 
 
@@ -211,7 +211,7 @@ class Orchestrator:
 
     async def run_prompt(self, session: Session, params: dict[str, Any]) -> tuple[str, str] | None:
         """Run a new session's prompt (``text_prompt``, ``voice_prompt``) before its first
-        audio; None once the engine ran it, else (PROTOCOL.md's error code, message). A model
+        audio; None once the engine ran it, else (docs/protocol.md's error code, message). A model
         without prompts and an unknown voice are answered here, without the engine."""
         engine = self.engine
         if not engine.takes_prompts:

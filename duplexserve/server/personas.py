@@ -4,7 +4,7 @@ Each protocol brings a session's prompt its own way (docs/protocols.md): the nat
 query or first ``session.update``, Kyutai's ``/api/chat`` query, Realtime's
 ``instructions`` and output voice, Twilio's custom parameters. What they share is here:
 the prompt's fields, what a refusal from ``Orchestrator.run_prompt`` means for the
-session (PROTOCOL.md: ``prompt_unsupported`` goes on, the others end it), and the counts
+session (docs/protocol.md: ``prompt_unsupported`` goes on, the others end it), and the counts
 ``/metrics`` shows: how long sessions took to be ready, per protocol, and prompts by
 outcome. Plain counters, read at scrape time (server/metrics.py). ``GET /v1/voices``
 lists the voice prompts a session may name.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 PROMPT_KEYS = ("text_prompt", "voice_prompt")
 #: The close that follows a refused prompt; ``prompt_unsupported`` has none (the session
-#: goes on without it). ``invalid_prompt`` is bad input in the request: PROTOCOL.md's 1007.
+#: goes on without it). ``invalid_prompt`` is bad input in the request: docs/protocol.md's 1007.
 _CLOSE_CODES = {
     "voice_not_found": errors.POLICY,
     "invalid_prompt": errors.INVALID_PAYLOAD,

@@ -1,4 +1,4 @@
-"""Resume tokens and detached sessions (PROTOCOL.md, "Resuming after a dropped connection").
+"""Resume tokens and detached sessions (docs/protocol.md, "Resuming after a dropped connection").
 
 A session whose connection ends while it is still open is *detached*: it keeps its
 slot and its model state, the engine does not step it (no input arrives, so it hears
@@ -9,7 +9,7 @@ from an old connection cannot steal the session later.
 
 Detached sessions are kept in the order they detached, so that under pressure (a new
 session finds every slot taken, or more than ``--max-detached`` wait) the one detached
-longest is the one that gives way (PROTOCOL.md, "Under pressure").
+longest is the one that gives way (docs/protocol.md, "Under pressure").
 
 The registry knows sessions and an opaque ``owner`` (the connection holding the
 session, or None while detached) and ``state`` (what the adapter must carry over, such

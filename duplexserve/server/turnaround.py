@@ -1,7 +1,7 @@
 """How late the server answers: the turnaround of every output frame, measured in bulk.
 
 Turnaround of output frame *i* = the moment the output frame was handed to the socket
-minus the moment the message carrying input frame *i* was received (PROTOCOL.md, "How
+minus the moment the message carrying input frame *i* was received (docs/protocol.md, "How
 late the server answers"). The hot path pays one clock read and one list append per
 output frame, its pairing with the input message (a few list operations) and one tuple
 append per input message that completed a frame; the histogram buckets, the sums and

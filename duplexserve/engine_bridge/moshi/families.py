@@ -21,7 +21,7 @@ class Family:
     # so its second frame is encoded as if it started the stream (moshi PR #200); LMGen
     # discards the first frame's codes either way.
     first_frame_reset: bool = True
-    # After input.end (PROTOCOL.md): a dialogue model is stepped on silence for its delay,
+    # After input.end (docs/protocol.md): a dialogue model is stepped on silence for its delay,
     # so the answer to the last frame is heard. A translation model is told the input
     # ended as moshi's run_inference tells Hibiki: one frame whose codes are ``card`` on
     # every input codebook (Mimi does not encode it), then silence until the text stream
