@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -34,7 +36,9 @@ from duplexserve.codecs.opus_reader import (
     OggOpusReader,
 )
 from duplexserve.codecs.opus_rtp import OPUS as RTP_LIBOPUS
-from tests.native_client import Result, converse, signal
+from duplexserve.codecs.procpool import OK, RECV_SIZE, REPLY, Reassembler
+from tests.native_client import Result, converse
+from tests.native_client import signal as noise
 from tests.test_formats_server import expected_answer, query, speechlike, wire_messages
 
 OPUS = AudioFormat("opus")
@@ -156,6 +160,31 @@ def test_an_ogg_packet_that_never_ends_is_cut_off_at_the_cap():
     assert refused.value.budget == "ogg_packet" and MAX_PACKET_BYTES < 2 * 255 * 255
 
 
+def test_a_long_reply_is_joined_once_not_rebuilt_on_every_read():
+    """The loop's reader of a codec worker's replies: a reply that takes many reads comes
+    out once, whole, when its last byte has come; before, each 256 KiB read re-copied the
+    reply's growing start (30 s of loop time for three replies of 294 MB)."""
+    replies = [REPLY.pack(OK, n) + bytes([n % 251]) * n for n in (5, 3 << 20, 0, 700_000, 9)]
+    stream = b"".join(replies)
+    reader, got, handed = Reassembler(), [], 0
+    for at in range(0, len(stream), RECV_SIZE):
+        data = reader.take(memoryview(stream[at : at + RECV_SIZE]))
+        if data is None:
+            continue
+        handed += 1
+        pos = 0
+        while len(data) - pos >= REPLY.size:
+            end = pos + REPLY.size + REPLY.unpack_from(data, pos)[1]
+            if end > len(data):
+                break
+            got.append(data[pos:end])
+            pos = end
+        whole = REPLY.size + REPLY.unpack_from(data, pos)[1] if len(data) - pos >= REPLY.size else REPLY.size
+        reader.keep(data, pos, whole)
+    assert got == replies
+    assert handed <= 4 < len(stream) // RECV_SIZE  # 16 reads; bytes to parse 4 times, not 16
+
+
 # ------------------------------------------------------------------ a server
 async def moshi(url: str, messages: list[bytes], gap: float) -> tuple[list[bytes], list[str], int | None]:
     """Kyutai's client at /api/chat: the handshake, ``0x01`` + each message, then read
@@ -227,7 +256,7 @@ def test_one_byte_packets_close_the_attacker_and_spare_the_sessions_beside_it(se
     others get every frame exactly and never late."""
     server = server_factory("--codec-processes", processes)
     honest = [wire_messages(speechlike(MODEL_RATE, seed=40 + i, seconds=3.0), OPUS, 80) for i in range(3)]
-    pcm = signal(38, seed=7).tobytes()
+    pcm = noise(38, seed=7).tobytes()
     pcm_messages = [pcm[i : i + 7680] for i in range(0, len(pcm), 7680)]
     pages = one_byte_pages(339)
     flood = [head_pages()] + [pages[i : i + 141] for i in range(0, len(pages), 141)]  # 3 pages each
@@ -289,3 +318,43 @@ def test_an_ogg_packet_that_never_ends_is_cut_off_and_the_worker_stays_small(ser
     check_honest(res, honest)
     assert server.metrics()[_OVER % "ogg_packet"] == 1
 
+
+
+@pytest.mark.parametrize("path", ["/v1/duplex", "/api/chat"])
+def test_a_worker_dying_under_a_session_that_only_waits_for_answers_closes_it(server_factory, path):
+    """Its input all decoded, a session only has encodes in the worker when the worker
+    dies (a slow engine, 40 ms a step, keeps answers coming): it still gets its error,
+    ``session.closed`` where the protocol has one, and 1011, never a silent end."""
+    server = server_factory("--codec-processes", "1", "--step-base-ms", "40")
+    messages = wire_messages(speechlike(MODEL_RATE, seed=60, seconds=2.4), OPUS, 80)
+    moshi_kind = path == "/api/chat"
+
+    async def scenario():
+        url = server.ws(path, "" if moshi_kind else query(OPUS, OPUS))
+        async with websockets.asyncio.client.connect(url, compression=None, max_size=None) as ws:
+            await ws.recv()
+            for m in messages:
+                await ws.send(b"\x01" + m if moshi_kind else m)
+            answers = 0
+            while answers < 3:  # the worker answers: its decodes are long done
+                msg = await asyncio.wait_for(ws.recv(), 10)
+                answers += isinstance(msg, bytes) and msg[:1] != b"\x05"
+            with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+                (worker,) = [int(pid) for pid in f.read().split()]
+            os.kill(worker, signal.SIGKILL)
+            said = []
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    msg = await asyncio.wait_for(ws.recv(), 20)
+                    if isinstance(msg, str):
+                        said.append(json.loads(msg))
+                    elif msg[:1] == b"\x05":
+                        said.append(msg[1:].decode())
+            return said, ws.close_code
+
+    said, code = asyncio.run(scenario())
+    assert code == 1011, said
+    if moshi_kind:
+        assert said and "internal_error" in said[-1]
+    else:
+        assert said[-1]["type"] == "session.closed" and said[-1]["reason"] == "internal_error", said

@@ -158,11 +158,11 @@ class LibopusStreamDecoder(OggOpusReader):
     remote = False
 
     def __init__(self, budget: OpusBudget | None = None) -> None:
+        self._st: int | None = None
         if LIBOPUS is None:
             raise RuntimeError("libopus could not be loaded")
         super().__init__(budget)
         self._lib = LIBOPUS
-        self._st: int | None = None
 
     def _stream_start(self) -> None:
         self._close()

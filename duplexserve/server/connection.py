@@ -137,6 +137,7 @@ class Connection(ABC):
         # Fast path: an answer that had to wait (a task, or a codec worker's reply).
         self._writing: asyncio.Task[None] | _CodecWait | None = None
         self._encoding: AudioOut | None = None  # the answer a codec worker is encoding
+        self._encoder_lost = False  # its codec worker died: audio is skipped, the close goes out
         self._close_sent = False
 
     # ------------------------------------------------------------- adapter hooks
@@ -667,6 +668,8 @@ class Connection(ABC):
             if item is None:
                 return
             if item.__class__ is AudioOut and self.encoder is not None and self.encoder.remote:
+                if self._encoder_lost:
+                    continue
                 samples = self.audio_to_encode(item)  # type: ignore[arg-type]
                 if samples is not None:
                     self._encode_remote(item, samples)  # type: ignore[arg-type]
@@ -711,20 +714,21 @@ class Connection(ABC):
         self._writing = self._encoding = None
         session, sock = self.session, self._sock
         assert session is not None and sock is not None and item is not None
-        if status != OK:  # the codec worker is gone: as a failed send, this session ends
-            log.debug("session %s: %s", session.id, reply_error(status, body))
-            self._stop("broken")
-            return
         if self.replaced or self._close_sent:
             return
         sock.cork()
         try:
-            try:
-                self.send_audio(item, body)
-            except Exception as exc:
-                self._send_failed(session, exc)
-                return
-            self._audio_sent()
+            if status != OK:  # the codec worker is gone: the session ends, and says so
+                log.warning("session %s: %s", session.id, reply_error(status, body))
+                self._encoder_lost = True
+                self.orch.close(session, "internal_error", errors.INTERNAL)
+            else:
+                try:
+                    self.send_audio(item, body)
+                except Exception as exc:
+                    self._send_failed(session, exc)
+                    return
+                self._audio_sent()
             self._drain(session, sock)
         finally:
             sock.uncork()
