@@ -192,6 +192,16 @@ class ServerConfig:
         2.0, "codec worker requests wait up to this long to leave together (one sendmsg, one worker "
         "wake-up and one reply for many sessions' frames); 0: at the end of each loop iteration"
     )
+    opus_ahead_s: float = _opt(
+        10.0, "Opus input: a connection's decoded audio may run this far ahead of its wall clock (from "
+        "its first message), and this much above what its bytes justify (--opus-ms-per-byte); beyond "
+        "either it is closed invalid_audio (1003), counted as budget opus_samples (docs/reliability.md)"
+    )
+    opus_ms_per_byte: float = _opt(
+        20.0, "Opus input: at most this much decoded audio per byte received, over a connection (honest "
+        "streams carry under 2 ms a byte, DTX silence in 20 ms frames about 10; one-byte packets of 120 ms "
+        "25 to 57)"
+    )
 
     engine_coalesce_ms: float = _opt(
         1.0,
@@ -392,6 +402,8 @@ class ServerConfig:
             raise ValueError("opus_complexity must be 0..10")
         if not 0 <= self.codec_batch_ms <= 20:
             raise ValueError("codec_batch_ms must be 0..20")
+        if self.opus_ahead_s <= 0 or self.opus_ms_per_byte <= 0:
+            raise ValueError("opus_ahead_s and opus_ms_per_byte must be positive")
         if self.webrtc_packet_ms not in (20, 40, 80):
             raise ValueError("webrtc_packet_ms must be 20, 40 or 80")
         if self.webrtc_ptime_ms not in (20, 40, 80):

@@ -17,8 +17,9 @@ import numpy as np
 import sphn
 
 from duplexserve.codecs.formats import MODEL_RATE, FormatError
+from duplexserve.codecs.opus_budget import OpusBudget
+from duplexserve.codecs.opus_reader import OggOpusReader
 
-OGG_CAPTURE = b"OggS"
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -28,15 +29,14 @@ class OpusStreamDecoder:
     inline = True  # holds the GIL: a thread would not run it in parallel (module doc)
     remote = False
 
-    def __init__(self) -> None:
+    def __init__(self, budget: OpusBudget | None = None) -> None:
         self._reader = sphn.OpusStreamReader(MODEL_RATE)
-        self._head = b""  # the first bytes, until the capture pattern can be checked
+        # Our Ogg reader in front: the stream's checks, the packet cap and the budget,
+        # before sphn decodes what the pages claim (opus_reader.py).
+        self._pages = OggOpusReader(budget)
 
     def decode(self, data: bytes) -> np.ndarray:
-        if len(self._head) < 4:
-            self._head += bytes(data[: 4 - len(self._head)])
-            if not OGG_CAPTURE.startswith(self._head[:4]):
-                raise FormatError("opus input must be an Ogg stream (starting with 'OggS')")
+        self._pages.packets(data)
         try:
             pcm = self._reader.append_bytes(bytes(data))
         except ValueError as exc:

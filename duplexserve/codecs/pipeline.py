@@ -139,7 +139,10 @@ def make_decoder(fmt: AudioFormat, procs: CodecProcesses | None = None) -> Decod
     if fmt.format == "opus":
         if fmt.sample_rate != MODEL_RATE:
             raise FormatError("opus is always 24000 Hz")
-        return procs.opus_decoder() if procs is not None and procs.enabled else make_opus_decoder()  # type: ignore[return-value]
+        if procs is not None and procs.enabled:
+            return procs.opus_decoder()
+        # A server's sessions are held to its budget (opus_budget.py); a client's own audio is not.
+        return make_opus_decoder(procs.opus_limits if procs is not None else None)  # type: ignore[return-value]
     if fmt.format not in TO_F32:
         raise FormatError(f"input {fmt.format} at {fmt.sample_rate} Hz is not supported")
     return PcmDecoder(fmt)

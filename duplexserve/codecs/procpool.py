@@ -23,7 +23,14 @@ loop turn per frame, so one read of the worker's socket feeds every session it a
 
 Wire layout, little-endian: request ``u8 op, u32 codec id, u32 length, payload``;
 reply ``u8 status, u32 length, payload``, one per DECODE or ENCODE request. The payload
-of OPEN_ENCODER is one byte, the Opus complexity (``libopus.py``).
+of OPEN_ENCODER is one byte, the Opus complexity (``libopus.py``); that of OPEN_DECODER the
+session's ``OpusLimits`` (``opus_budget.py``), or nothing for no budget. A DECODE refused
+for its budget is answered OVER_BUDGET, ``budget NUL message``.
+
+A reply is as long as what the input decodes to, so reading one must cost the loop time
+in proportion to its size only: a reply longer than one read is gathered in pieces and
+joined once (``Reassembler``; re-copying its growing start on every 256 KiB read had cost
+30 s of loop time for three replies of 300 MB, before the budget bounded them).
 """
 
 from __future__ import annotations
@@ -45,13 +52,14 @@ import numpy as np
 
 from duplexserve.codecs.formats import FormatError
 from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, LIBOPUS
+from duplexserve.codecs.opus_budget import OpusLimits, OverBudget
 
 log = logging.getLogger(__name__)
 
 REQUEST = struct.Struct("<BII")
 REPLY = struct.Struct("<BI")
 OP_OPEN_DECODER, OP_OPEN_ENCODER, OP_DECODE, OP_ENCODE, OP_CLOSE = range(5)
-OK, FORMAT_ERROR, FAILED = range(3)
+OK, FORMAT_ERROR, FAILED, OVER_BUDGET = range(4)
 #: What a codec costs its worker per frame, in units of an Opus decode: encoding is 4 to
 #: 13 times dearer (duplexserve bench codec-costs: decode 75-120 us; encode 330 us on
 #: steady tones, 1300 us on speech or silence). A new codec goes to the worker with the
@@ -77,6 +85,40 @@ Done = Callable[[int, "bytes | memoryview"], None]
 
 class CodecProcessError(RuntimeError):
     """A codec worker failed or went away; the sessions it served cannot go on."""
+
+
+class Reassembler:
+    """The start of an incomplete frame read from a stream socket, until it is whole.
+
+    ``take`` returns the bytes to parse: the read itself while nothing waits (one copy, as
+    before), else nothing until the ``need`` bytes of the waiting frame have come, then
+    every piece joined once. Time and memory stay linear in the frame's size however many
+    reads it takes.
+    """
+
+    __slots__ = ("_need", "_pieces", "_size")
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._need = 0
+
+    def take(self, chunk: memoryview) -> bytes | None:
+        if not self._size:
+            return bytes(chunk)
+        self._pieces.append(bytes(chunk))
+        self._size += len(chunk)
+        if self._size < self._need:
+            return None
+        data = b"".join(self._pieces)
+        self._pieces, self._size = [], 0
+        return data
+
+    def keep(self, data: bytes, pos: int, need: int) -> None:
+        """``data[pos:]`` is an incomplete frame (or none, ``pos == len(data)``) that is
+        ``need`` bytes long once whole."""
+        if pos < len(data):
+            self._pieces, self._size, self._need = [data[pos:]], len(data) - pos, need
 
 
 class _Worker:
@@ -105,7 +147,7 @@ class _Worker:
         self._batch_s = batch_s
         self._flush_at: asyncio.Handle | None = None
         self._timed = False  # _flush_at is the batch window's timer (not a call_soon)
-        self._rest = b""  # an incomplete reply, from the end of the last recv
+        self._rest = Reassembler()  # an incomplete reply, from the end of the last recv
         # recv_into one reused buffer: recv(n) would allocate (and, past 128 KiB, mmap) n bytes a call.
         self._chunk = bytearray(RECV_SIZE)
         self._chunk_view = memoryview(self._chunk)
@@ -219,7 +261,9 @@ class _Worker:
         if not n:
             self._fail(CodecProcessError(f"codec worker exited ({self.proc.poll()})"))
             return
-        data = self._rest + self._chunk_view[:n] if self._rest else bytes(self._chunk_view[:n])
+        data = self._rest.take(self._chunk_view[:n])
+        if data is None:
+            return
         view = memoryview(data)  # immutable bytes: the bodies are views, not copies
         pos, end, hdr, unpack = 0, len(data), REPLY.size, REPLY.unpack_from
         waiting = self._waiting
@@ -234,7 +278,7 @@ class _Worker:
                 done(status, view[start:pos])
             except Exception:  # one session's bug must not stop the replies of the others
                 log.exception("codec reply callback failed")
-        self._rest = data[pos:] if pos < end else b""
+        self._rest.keep(data, pos, hdr + unpack(data, pos)[1] if end - pos >= hdr else hdr)
 
     def _fail(self, exc: CodecProcessError) -> None:
         if not self.alive:
@@ -270,10 +314,11 @@ class CodecProcesses:
     sessions never starts one); a worker that died is replaced for new sessions."""
 
     def __init__(self, size: int, opus_complexity: int = DEFAULT_COMPLEXITY,
-                 batch_ms: float = DEFAULT_BATCH_MS) -> None:
+                 batch_ms: float = DEFAULT_BATCH_MS, opus_limits: OpusLimits | None = None) -> None:
         self.size = size
         self.batch_s = batch_ms / 1000
         self.opus_complexity = opus_complexity  # libopus encoders, here or inline (pipeline.py)
+        self.opus_limits = opus_limits  # every decoder's budget, here or inline; None: none
         self._workers: list[_Worker] = []
         self._next_id = 0
         self._cpu_seen: dict[int, float] = {}  # pid -> CPU seconds when last read
@@ -305,7 +350,8 @@ class CodecProcesses:
         return worker, cid, COST[op]
 
     def opus_decoder(self) -> RemoteOpusDecoder:
-        return RemoteOpusDecoder(*self._open(OP_OPEN_DECODER))
+        limits = self.opus_limits
+        return RemoteOpusDecoder(*self._open(OP_OPEN_DECODER, limits.pack() if limits is not None else b""))
 
     def opus_encoder(self) -> RemoteOpusEncoder:
         return RemoteOpusEncoder(*self._open(OP_OPEN_ENCODER, bytes([self.opus_complexity])))
@@ -329,6 +375,8 @@ def _resolve(future: asyncio.Future[bytes], status: int, body: bytes | memoryvie
 def reply_error(status: int, body: bytes | memoryview) -> Exception:
     """The exception a non-OK reply stands for (FormatError: the input is at fault)."""
     text = bytes(body).decode(errors="replace")
+    if status == OVER_BUDGET:
+        return OverBudget(*text.split("\0", 1))
     return FormatError(text) if status == FORMAT_ERROR else CodecProcessError(text)
 
 

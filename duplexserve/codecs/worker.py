@@ -25,6 +25,7 @@ import numpy as np
 from duplexserve.codecs import procpool as pp
 from duplexserve.codecs.formats import FormatError
 from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
+from duplexserve.codecs.opus_budget import OpusLimits, OverBudget
 from duplexserve.codecs.opus_reader import make_opus_decoder
 
 _FLUSH_AFTER_S = 0.004
@@ -36,7 +37,7 @@ Handlers = dict[int, tuple[int, Callable[[memoryview], bytes]]]
 
 def serve(sock: socket.socket) -> None:
     handlers: Handlers = {}
-    rest = b""  # an incomplete request, from the end of the last recv
+    rest = pp.Reassembler()  # an incomplete request, from the end of the last recv
     hdr, unpack = pp.REQUEST.size, pp.REQUEST.unpack_from
     chunk = bytearray(pp.RECV_SIZE)  # reused: recv(n) would allocate n bytes a call
     view = memoryview(chunk)
@@ -45,7 +46,9 @@ def serve(sock: socket.socket) -> None:
         n = sock.recv_into(chunk)
         if not n:
             return
-        data = rest + view[:n] if rest else bytes(view[:n])
+        data = rest.take(view[:n])
+        if data is None:
+            continue
         mv = memoryview(data)  # immutable bytes: payload views need no copy
         pos, end = 0, len(data)
         replies: list[bytes] = []
@@ -64,7 +67,7 @@ def serve(sock: socket.socket) -> None:
                     replies, since = [], clock()
         if replies:
             _send(sock, replies)
-        rest = data[pos:] if pos < end else b""
+        rest.keep(data, pos, hdr + unpack(data, pos)[2] if end - pos >= hdr else hdr)
 
 
 def _send(sock: socket.socket, buffers: list[bytes]) -> None:
@@ -79,12 +82,14 @@ def _handle(handlers: Handlers, op: int, cid: int, payload: memoryview) -> tuple
         try:
             body = entry[1](payload)
             return pp.REPLY.pack(pp.OK, len(body)), body
+        except OverBudget as exc:  # the loop counts it (budgets.over_budget) and closes the session
+            return _error(pp.OVER_BUDGET, f"{exc.budget}\0{exc}")
         except FormatError as exc:
             return _error(pp.FORMAT_ERROR, str(exc))
         except Exception as exc:  # one session's failure, reported to it
             return _error(pp.FAILED, f"{type(exc).__name__}: {exc}")
     if op == pp.OP_OPEN_DECODER:
-        decoder = make_opus_decoder()
+        decoder = make_opus_decoder(OpusLimits.unpack(payload) if len(payload) else None)
         handlers[cid] = (pp.OP_DECODE, lambda p: decoder.decode(p).tobytes())  # type: ignore[attr-defined]
         return None
     if op == pp.OP_OPEN_ENCODER:

@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from duplexserve import __version__
+from duplexserve.codecs.opus_budget import OpusLimits
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
@@ -80,7 +81,8 @@ class DuplexApp:
         self.orchestrator.on_deliver = self.metrics.observe_delivery
         self.codec_pool = ThreadPoolExecutor(max_workers=config.codec_threads, thread_name_prefix="codec")
         self.codec_procs = CodecProcesses(
-            config.codec_processes, config.opus_complexity, config.codec_batch_ms
+            config.codec_processes, config.opus_complexity, config.codec_batch_ms,
+            OpusLimits(config.opus_ahead_s, config.opus_ms_per_byte),
         )
         self.metrics.registry.register(CodecProcessesCollector(self.codec_procs.cpu_seconds))
         self.metrics.registry.register(TwilioCollector())

@@ -39,11 +39,13 @@ import numpy as np
 
 from duplexserve import errors
 from duplexserve.codecs.formats import FormatError
+from duplexserve.codecs.opus_budget import OverBudget
 from duplexserve.codecs.pipeline import Decoder, Encoder
 from duplexserve.codecs.procpool import OK, CodecProcessError, CodecProcesses, reply_error
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server import auth, personas
+from duplexserve.server.budgets import over_budget
 from duplexserve.server.eager import run_eager
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
@@ -60,6 +62,16 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: How long a closed session's connection may take to finish its close handshake.
 CLOSE_GRACE_S = 10.0
+
+
+def invalid_audio(session: Session, exc: FormatError) -> SessionError:
+    """The fatal error that input which cannot be decoded ends its session with; input
+    refused for what it would cost (codecs/opus_budget.py) is also counted and logged,
+    once: the session ends with it."""
+    if isinstance(exc, OverBudget) and not session.closed:
+        over_budget(exc.budget)
+        log.warning("session %s closed over its %s budget: %s", session.id, exc.budget, exc)
+    return SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA)
 
 
 class _CodecWait:
@@ -125,6 +137,7 @@ class Connection(ABC):
         # Fast path: an answer that had to wait (a task, or a codec worker's reply).
         self._writing: asyncio.Task[None] | _CodecWait | None = None
         self._encoding: AudioOut | None = None  # the answer a codec worker is encoding
+        self._encoder_lost = False  # its codec worker died: audio is skipped, the close goes out
         self._close_sent = False
 
     # ------------------------------------------------------------- adapter hooks
@@ -558,7 +571,8 @@ class Connection(ABC):
             if decoder is not None and decoder.remote:
                 payload = self.audio_payload(data)  # type: ignore[arg-type]
                 if payload is not None:
-                    self._decode_remote(session, decoder, payload)
+                    if not session.closed:  # else it would only cost the worker
+                        self._decode_remote(session, decoder, payload)
                     return
             taken = self._receive_now(session, data)  # type: ignore[arg-type]
         lane = None if taken else run_eager(self._receive_one(data))
@@ -607,7 +621,7 @@ class Connection(ABC):
             else:
                 raise reply_error(status, body)
         except FormatError as exc:  # the Ogg stream cannot recover: this session ends
-            session.error(SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA))
+            session.error(invalid_audio(session, exc))
         except Exception as exc:  # a codec worker gone, say
             self._receive_failed(session, exc)
         self.orch.pump(session)
@@ -654,6 +668,8 @@ class Connection(ABC):
             if item is None:
                 return
             if item.__class__ is AudioOut and self.encoder is not None and self.encoder.remote:
+                if self._encoder_lost:
+                    continue
                 samples = self.audio_to_encode(item)  # type: ignore[arg-type]
                 if samples is not None:
                     self._encode_remote(item, samples)  # type: ignore[arg-type]
@@ -698,20 +714,21 @@ class Connection(ABC):
         self._writing = self._encoding = None
         session, sock = self.session, self._sock
         assert session is not None and sock is not None and item is not None
-        if status != OK:  # the codec worker is gone: as a failed send, this session ends
-            log.debug("session %s: %s", session.id, reply_error(status, body))
-            self._stop("broken")
-            return
         if self.replaced or self._close_sent:
             return
         sock.cork()
         try:
-            try:
-                self.send_audio(item, body)
-            except Exception as exc:
-                self._send_failed(session, exc)
-                return
-            self._audio_sent()
+            if status != OK:  # the codec worker is gone: the session ends, and says so
+                log.warning("session %s: %s", session.id, reply_error(status, body))
+                self._encoder_lost = True
+                self.orch.close(session, "internal_error", errors.INTERNAL)
+            else:
+                try:
+                    self.send_audio(item, body)
+                except Exception as exc:
+                    self._send_failed(session, exc)
+                    return
+                self._audio_sent()
             self._drain(session, sock)
         finally:
             sock.uncork()

@@ -36,7 +36,7 @@ from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
 from duplexserve.errors import SessionError
 from duplexserve.server import personas
-from duplexserve.server.connection import Connection
+from duplexserve.server.connection import Connection, invalid_audio
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 
 HANDSHAKE = b"\x00" + struct.pack("<II", 0, 0)
@@ -129,7 +129,8 @@ class MoshiConnection(Connection):
         try:
             samples = await self.decode(data[1:])
         except FormatError as exc:  # the Ogg stream cannot recover: this session ends
-            raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
+            assert self.session is not None
+            raise invalid_audio(self.session, exc) from None
         await self.feed(samples)
 
     def audio_payload(self, data: bytes) -> memoryview | None:

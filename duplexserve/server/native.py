@@ -23,7 +23,7 @@ from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_enc
 from duplexserve.codecs.resample import frame_samples_total
 from duplexserve.errors import SessionError
 from duplexserve.server import personas
-from duplexserve.server.connection import Connection
+from duplexserve.server.connection import Connection, invalid_audio
 from duplexserve.server.eager import run_eager
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 from duplexserve.server.replay import ReplayRing
@@ -255,7 +255,7 @@ class NativeConnection(Connection):
         try:
             samples = decoder.decode(data)
         except FormatError as exc:
-            raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
+            raise invalid_audio(self.session, exc) from None
         self.session.receive_audio(samples)
         return True
 
@@ -272,7 +272,8 @@ class NativeConnection(Connection):
         try:
             samples = await self.decode(data)
         except FormatError as exc:
-            raise SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA) from None
+            assert self.session is not None
+            raise invalid_audio(self.session, exc) from None
         await self.feed(samples)
 
     def audio_payload(self, data: bytes) -> bytes | None:
