@@ -367,7 +367,7 @@ class ServerConfig:
         return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
 
     def validate(self) -> None:
-        if self.api_keys.strip() and not any(k.strip() for k in self.api_keys.split(",")):
+        if self.api_keys and not any(k.strip() for k in self.api_keys.split(",")):
             raise ValueError(
                 f"--api-keys {self.api_keys!r} names no key: give at least one, or leave it empty for no "
                 "authentication"
