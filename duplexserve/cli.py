@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig.from_namespace(args)
         try:
             config.validate()
-        except ValueError as exc:
-            parser.error(str(exc))
+        except ValueError as exc:  # one line, not argparse's usage of every flag before it
+            print(f"duplexserve serve: error: {exc}", file=sys.stderr)
+            return 2
         logging.basicConfig(
             level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )

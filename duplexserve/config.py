@@ -303,8 +303,17 @@ class ServerConfig:
     )
 
     # Security.
-    api_keys: str = _opt("", "comma-separated API keys; empty: no authentication")
-    allowed_origins: str = _opt("", "comma-separated Origins browsers may connect from; empty: any")
+    api_keys: str = _opt(
+        "", "comma-separated API keys, needed for sessions, calls, /v1/voices, /v1/realtime/ice_servers and "
+        "the API docs (/docs, /redoc, /openapi.json); empty: no authentication (a list that names no key, "
+        "\" \" or \",\", is refused)"
+    )
+    allowed_origins: str = _opt(
+        "", "comma-separated Origins browsers may connect from besides this server's own (a page whose "
+        "Origin names the host the request was sent to: the talk page); * : any. Checked on WebSocket "
+        "upgrades and the HTTP API, and answered with CORS headers"
+    )
+    metrics_auth: bool = _opt(False, "/metrics needs an API key too (when --api-keys names any)")
 
     # Behaviour switches used by tests and benchmarks.
     synthetic_faults: bool = _opt(
@@ -368,6 +377,11 @@ class ServerConfig:
         return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))
 
     def validate(self) -> None:
+        if self.api_keys and not any(k.strip() for k in self.api_keys.split(",")):
+            raise ValueError(
+                f"--api-keys {self.api_keys!r} names no key: give at least one, or leave it empty for no "
+                "authentication"
+            )
         if self.max_sessions == AUTO_SESSIONS:
             if self.engine != "moshi" or not self._on_gpu():
                 where = f"with --engine {self.engine}" if self.engine != "moshi" else "on the CPU"

@@ -2,6 +2,8 @@
 
 WebSocket scopes go straight to the protocol adapter, without a framework layer per
 message; everything else (health, readiness, metrics) is an ordinary FastAPI route.
+With ``--api-keys``, the API docs (and ``/metrics`` with ``--metrics-auth``) need a key
+like the API itself; ``/``, ``/static``, ``/health`` and ``/ready`` stay open.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, quote
 
-from fastapi import FastAPI, Response
-from fastapi.responses import FileResponse
+from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -23,7 +28,7 @@ from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
-from duplexserve.server import gc_pauses, personas
+from duplexserve.server import auth, gc_pauses, personas
 from duplexserve.server.connection import Connection, Receive, Scope, Send
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.moshi_chat import MoshiConnection
@@ -43,6 +48,9 @@ PROTOCOLS: dict[str, type[Connection]] = {
 }
 # The talk page at / (docs/deploy.md): plain files, no build step.
 STATIC_DIR = Path(__file__).with_name("static")
+#: Routes that need a key when --api-keys names any, checked before FastAPI sees them:
+#: FastAPI's own (the schema and its pages) take no dependency.
+DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json"})
 
 
 class DuplexApp:
@@ -89,6 +97,8 @@ class DuplexApp:
         self.webrtc = WebRTCCalls(config, self.orchestrator, self.codec_pool, self.codec_procs)
         self.metrics.registry.register(WebRTCCollector(self.webrtc))
         self.http = self._http_app()
+        self.api_keys = auth.parse_list(config.api_keys)
+        self.keyed_paths = DOCS_PATHS | ({"/metrics"} if config.metrics_auth else set())
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -106,8 +116,16 @@ class DuplexApp:
             self.codec_procs.close()
 
     def _http_app(self) -> FastAPI:
-        app = FastAPI(title="duplexserve", version=__version__, lifespan=self._lifespan)
+        app = FastAPI(
+            title="duplexserve", version=__version__, lifespan=self._lifespan, docs_url=None, redoc_url=None
+        )
         orch = self.orchestrator
+        origins = auth.parse_list(self.config.allowed_origins)
+        if origins:  # pages of other origins that may call the HTTP API (preflight and headers)
+            app.add_middleware(
+                CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"], expose_headers=["location"],
+            )  # fmt: skip
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
@@ -128,6 +146,14 @@ class DuplexApp:
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request) -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url=_schema_url(request), title="duplexserve")
+
+        @app.get("/redoc", include_in_schema=False)
+        async def redoc(request: Request) -> HTMLResponse:
+            return get_redoc_html(openapi_url=_schema_url(request), title="duplexserve")
 
         @app.get("/", include_in_schema=False)
         async def index() -> FileResponse:
@@ -150,7 +176,21 @@ class DuplexApp:
                 scope, receive, send, self.orchestrator, self.config, self.codec_pool, self.codec_procs
             ).run()
             return
+        if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.api_keys:
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            if not auth.key_ok(scope, query, self.api_keys):
+                body = {"error": {"type": "invalid_request_error", "code": "invalid_api_key",
+                                  "message": "a valid API key is required", "param": None}}
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
         await self.http(scope, receive, send)
+
+
+def _schema_url(request: Request) -> str:
+    """The schema for a docs page, relative (a proxy may serve us under a prefix), with the
+    page's ``?token=`` passed on: the page fetches it without the key's header."""
+    token = request.query_params.get("token")
+    return "openapi.json" + (f"?token={quote(token, safe='')}" if token else "")
 
 
 def create_app(config: ServerConfig | None = None, engine: Engine | None = None) -> DuplexApp:

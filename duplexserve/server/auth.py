@@ -3,7 +3,7 @@
 A key may come as ``Authorization: Bearer <key>``, as ``?token=<key>`` (for clients
 that cannot set headers), or as a ``openai-insecure-api-key.<key>`` WebSocket
 subprotocol (what browser OpenAI Realtime clients send). Keys are compared in
-constant time and never logged.
+constant time and never logged (server/log_redaction.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 SUBPROTOCOL_KEY_PREFIX = "openai-insecure-api-key."
 
@@ -51,7 +52,21 @@ def key_ok(scope: dict[str, Any], query: dict[str, str], allowed: Iterable[str])
 
 
 def origin_ok(scope: dict[str, Any], allowed: Iterable[str]) -> bool:
-    """Browsers always send Origin; other clients usually do not and are let through."""
+    """Whether the page that sent this request may: browsers always send Origin, other
+    clients usually do not and are let through. A page of this server's own host (the
+    talk page) always may, others only when ``--allowed-origins`` names them (or ``*``):
+    without this, any web page a user opens could drive the server from their browser.
+    Same host means the Origin's host name is the Host header's, port and scheme aside, as
+    a proxy in front may pass the host without its port (nginx's ``$host``)."""
+    headers = _headers(scope)
+    origin = headers.get("origin")
+    if origin is None:
+        return True
     allowed = tuple(allowed)
-    origin = _headers(scope).get("origin")
-    return not allowed or origin is None or origin in allowed or "*" in allowed
+    if origin in allowed or "*" in allowed:
+        return True
+    try:
+        host = urlsplit("//" + headers.get("host", "")).hostname
+        return host is not None and urlsplit(origin).hostname == host
+    except ValueError:  # not a URL (an unclosed IPv6 bracket, say)
+        return False

@@ -4,7 +4,10 @@ A backend that holds the server's API key mints one and hands it to its web page
 page presents it as its bearer key to ``POST /v1/realtime/calls``. Each secret is good
 for one call and for ``expires_after.seconds`` (10 to 7200, default 600), whichever ends
 first; OpenAI's may start several sessions until they expire, these only one, so a
-secret that leaks from a page is worth one conversation at most. The session config a
+secret that leaks from a page is worth one conversation at most. Only an answered call
+spends it: a request that fails (a bad offer, a body over the limit, a full server) leaves
+it good, so a page can try again; such a request costs the server no more than the 64 KiB
+a body may have (server/request_body.py), however often it is repeated. The session config a
 secret was minted with applies to its call, under what the call's own ``session`` says.
 Kept in memory: a restart forgets them (a page asks its backend for a new one).
 """
@@ -71,6 +74,17 @@ class ClientSecrets:
     def take(self, presented: Iterable[str]) -> Secret | None:
         """The unexpired secret among ``presented``, removed (single use); None if none.
         A call that is then not answered gives it back (:meth:`give_back`)."""
+        found = self._find(presented)
+        if found is not None:
+            del self._secrets[found.value]
+        return found
+
+    def valid(self, presented: Iterable[str]) -> bool:
+        """Whether an unexpired secret is among ``presented``, left unspent."""
+        return self._find(presented) is not None
+
+    def _find(self, presented: Iterable[str]) -> Secret | None:
+        """The unexpired secret among ``presented`` (an expired one found is forgotten)."""
         now = self._clock()
         for key in presented:
             if not key.startswith(PREFIX):
@@ -78,9 +92,9 @@ class ClientSecrets:
             found = self._secrets.get(key)
             # The dict lookup finds the candidate; the constant-time compare is the check.
             if found is not None and hmac.compare_digest(found.value.encode(), key.encode()):
-                del self._secrets[key]
                 if found.expires_at > now:
                     return found
+                del self._secrets[key]
         return None
 
     def give_back(self, secret: Secret | None) -> None:

@@ -11,34 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from types import FrameType
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.config import ServerConfig
+from duplexserve.server import log_redaction
 from duplexserve.server.app import DuplexApp, create_app
 from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
 
 log = logging.getLogger("duplexserve")
-
-_SECRET = re.compile(r"((?:token|api_key|auth_id|key)=)[^&\s\"']+", re.IGNORECASE)
-
-
-class RedactSecrets(logging.Filter):
-    """uvicorn logs request paths with their query: keep API keys out of the logs."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.args:
-            record.args = tuple(
-                _SECRET.sub(r"\1***", a) if isinstance(a, str) else a
-                for a in (record.args if isinstance(record.args, tuple) else (record.args,))
-            )
-        if isinstance(record.msg, str):
-            record.msg = _SECRET.sub(r"\1***", record.msg)
-        return True
-
 
 #: The most bytes a request may send before its headers are complete (the request line
 #: and headers: an upgrade with its token and cookies needs a few KiB). httptools keeps a
@@ -59,17 +42,26 @@ def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
             super().connection_made(transport)
             self._handshake_timer = self.loop.call_later(timeout_s, self._handshake_expired)
             self._head_bytes: int | None = 0  # None: between a head's end and the next request
+            self._heads = 0  # heads complete so far on this connection
 
         def data_received(self, data: bytes) -> None:
             if self._head_bytes is not None:
-                self._head_bytes += len(data)
-                if self._head_bytes > MAX_HEAD_BYTES:
+                room = MAX_HEAD_BYTES - self._head_bytes
+                if len(data) > room:  # the head may still end in this read, its body after it
+                    heads = self._heads
+                    self._head_bytes = MAX_HEAD_BYTES
+                    super().data_received(data[:room])
+                    if self._heads != heads:  # it did: the rest is body (or the next request)
+                        if self.transport.get_protocol() is self and not self.transport.is_closing():
+                            self.data_received(data[room:])
+                        return
                     self._head_bytes = None
                     self._handshake_timer.cancel()
                     if not self.transport.is_closing():
                         self.transport.write(_HEAD_TOO_LARGE)
                         self.transport.close()
                     return
+                self._head_bytes += len(data)
             super().data_received(data)
 
         def on_message_begin(self) -> None:
@@ -80,6 +72,7 @@ def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._handshake_timer.cancel()
             self._head_bytes = None
+            self._heads += 1
             super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -155,9 +148,11 @@ def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
 
 
 def serve(config: ServerConfig) -> None:
-    redact = RedactSecrets()
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "duplexserve"):
-        logging.getLogger(name).addFilter(redact)
+    log_redaction.install()  # the root's handler; uvicorn's come with its config
     app = create_app(config)
     app.freeze_gc = True
-    DrainingServer(uvicorn_config(config, app), app, config.drain_grace_s).run()
+    server_config = uvicorn_config(config, app)  # configures uvicorn's log handlers
+    log_redaction.install()
+    if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no --api-keys: anyone who reaches %s:%d can open sessions", config.host, config.port)
+    DrainingServer(server_config, app, config.drain_grace_s).run()

@@ -34,6 +34,7 @@ from duplexserve.server import auth, personas
 from duplexserve.server import twilio_wire as wire
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Outgoing
+from duplexserve.server.log_redaction import clip
 from duplexserve.server.moshi_chat import engine_params
 from duplexserve.server.twilio_wire import COUNTS, BadMessage
 
@@ -71,7 +72,9 @@ class TwilioConnection(Connection):
 
     @property
     def call(self) -> str:
-        return self.start.call_sid or self.start.stream_sid if self.start else "-"
+        """The call for the log: its callSid as the client sent it, escaped and cut short;
+        "-" until the key is checked (nothing of an unauthenticated start is logged)."""
+        return clip(self.start.call_sid or self.start.stream_sid) if self.start else "-"
 
     # -------------------------------------------------------------- handshake
     async def accept(self, subprotocol: str | None = None) -> None:
@@ -100,7 +103,6 @@ class TwilioConnection(Connection):
         start = await self._wait_start()
         if start is None:
             return False
-        self.start, self._sid_json = start, json.dumps(start.stream_sid)
         allowed = auth.parse_list(self.config.api_keys)
         token = start.custom.get("token")
         if not (
@@ -109,6 +111,7 @@ class TwilioConnection(Connection):
         ):
             await self.refuse(errors.POLICY, "unauthorized", "a valid API key is required")
             return False
+        self.start, self._sid_json = start, json.dumps(start.stream_sid)
         try:
             params = engine_params({k: v for k, v in start.custom.items() if k != "token"})
         except ValueError as exc:
@@ -126,7 +129,7 @@ class TwilioConnection(Connection):
         self.decoder, self.encoder = make_decoder(MULAW_8K), make_encoder(MULAW_8K)
         COUNTS.calls += 1
         self.ready()
-        log.info("twilio call %s stream %s started (session %s)", self.call, start.stream_sid,
+        log.info("twilio call %s stream %s started (session %s)", self.call, clip(start.stream_sid),
                  self.session.id if self.session else "-")
         return True
 

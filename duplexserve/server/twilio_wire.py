@@ -20,6 +20,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from duplexserve.server.log_redaction import clip
+
 #: What Twilio streams: mu-law, 8 kHz, mono, 20 ms (160 bytes) a ``media`` message.
 ENCODING, SAMPLE_RATE, CHANNELS = "audio/x-mulaw", 8000, 1
 #: Tracks that carry the caller: ``inbound`` in media messages (``inbound_track`` in dtmf).
@@ -73,7 +75,7 @@ def parse_start(event: dict[str, Any]) -> Start:
         str(fmt.get("sampleRate", SAMPLE_RATE)),
         str(fmt.get("channels", CHANNELS)),
     ) != (ENCODING, str(SAMPLE_RATE), str(CHANNELS)):
-        raise BadMessage("unsupported_format", f"mediaFormat {fmt!r}: only {ENCODING} at 8000 Hz mono")
+        raise BadMessage("unsupported_format", f"mediaFormat {clip(fmt)}: only {ENCODING} at 8000 Hz mono")
     custom = body.get("customParameters") or {}
     if not isinstance(custom, dict):
         raise BadMessage("invalid_start", "customParameters is not an object")

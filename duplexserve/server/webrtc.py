@@ -32,7 +32,6 @@ import asyncio
 import collections
 import email.parser
 import email.policy
-import json
 import logging
 import secrets
 from collections.abc import Iterator
@@ -55,6 +54,7 @@ from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.realtime import ClientEventError, RealtimeConnection
 from duplexserve.server.realtime_responses import Mode
+from duplexserve.server.request_body import BodyTooLarge, parse_json, read_body
 from duplexserve.server.session import SILENCE
 from duplexserve.server.webrtc_clock import PlayClock
 from duplexserve.server.webrtc_jitter import CONCEAL, DECODE, JitterBuffer, JitterCounts
@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 CHANNEL = "oai-events"
 FRAME_S = 0.08
 PACKET_S = 0.02
-MAX_OFFER_BYTES = 64 * 1024
 #: Data-channel messages waiting for the session's reader at most; past it the call ends.
 MAX_INBOX = 1024
 #: Events kept for a data channel not yet open at most (session.created and its like).
@@ -77,6 +76,13 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
     kind = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"type": kind, "code": code, "message": message, "param": None}}
     return JSONResponse(body, status_code=status)
+
+
+def _too_large(exc: BodyTooLarge) -> JSONResponse:
+    """413, and the connection closed after it: the rest of the body is never read."""
+    answer = _error(413, "body_too_large", str(exc))
+    answer.headers["connection"] = "close"
+    return answer
 
 
 class CallSocket:
@@ -426,35 +432,34 @@ class WebRTCCalls:
         refused = self._refused(request)
         if refused is not None:
             return refused
-        secret_config: dict[str, Any] | None = None
         secret = None
         if not self._server_key_ok(request):
             secret = self.secrets.take(auth.presented_keys(request.scope, dict(request.query_params)))
             if secret is None:
                 self.outcomes["unauthorized"] += 1
                 return _error(401, "invalid_api_key", "a valid API key or client secret is required")
-            secret_config = secret.session
-        try:
-            sdp, session_config = await self._offer(request)
-        except ValueError as exc:
-            self.secrets.give_back(secret)
-            self.outcomes["bad_request"] += 1
-            return _error(400, "invalid_offer", str(exc))
-        if secret_config:
-            session_config = {**secret_config, **(session_config or {})}
-        answer = await self._answer(request, sdp, session_config)
-        if answer.status_code != 201:
-            self.secrets.give_back(secret)
-        return answer
+        answered = False
+        try:  # a secret is spent by an answered call only, whatever else happens
+            try:
+                sdp, session_config = await self._offer(request)
+            except BodyTooLarge as exc:
+                self.outcomes["bad_request"] += 1
+                return _too_large(exc)
+            except ValueError as exc:
+                self.outcomes["bad_request"] += 1
+                return _error(400, "invalid_offer", str(exc))
+            if secret is not None and secret.session:
+                session_config = {**secret.session, **(session_config or {})}
+            answer = await self._answer(request, sdp, session_config)
+            answered = answer.status_code == 201
+            return answer
+        finally:
+            if not answered:
+                self.secrets.give_back(secret)
 
     async def _offer(self, request: Request) -> tuple[str, dict[str, Any] | None]:
         """The SDP offer and the session config of the request body."""
-        length = int(request.headers.get("content-length") or 0)
-        if length > MAX_OFFER_BYTES:
-            raise ValueError(f"the offer is over {MAX_OFFER_BYTES} bytes")
-        body = await request.body()
-        if len(body) > MAX_OFFER_BYTES:
-            raise ValueError(f"the offer is over {MAX_OFFER_BYTES} bytes")
+        body = await read_body(request)
         content_type = request.headers.get("content-type", "")
         kind = content_type.split(";")[0].strip().lower()
         if kind == "application/sdp":
@@ -471,10 +476,7 @@ class WebRTCCalls:
             raise ValueError("the multipart body has no 'sdp' part")
         config = None
         if parts.get("session"):
-            try:
-                config = json.loads(parts["session"])
-            except ValueError:
-                raise ValueError("the 'session' part is not JSON") from None
+            config = parse_json(parts["session"], "the 'session' part")
             if not isinstance(config, dict):
                 raise ValueError("the 'session' part is not a JSON object")
         return parts["sdp"], config
@@ -578,18 +580,25 @@ class WebRTCCalls:
         if not self._server_key_ok(request):
             return _error(401, "invalid_api_key", "a valid API key is required")
         try:
-            spec = json.loads(await request.body() or b"{}")
+            spec = parse_json(await read_body(request) or b"{}", "the body")
             secret = self.secrets.mint(spec, self.config.model_name)
+        except BodyTooLarge as exc:
+            return _too_large(exc)
         except ValueError as exc:
             return _error(400, "invalid_value", str(exc))
         return JSONResponse(secret.response())
 
     async def browser_ice_servers(self, request: Request) -> Response:
         """``GET /v1/realtime/ice_servers`` (not OpenAI's): the STUN servers a browser should
-        give its RTCPeerConnection to reach this server (webrtc_peer.stun_for_browsers)."""
+        give its RTCPeerConnection to reach this server (webrtc_peer.stun_for_browsers). With
+        keys, for a key or a live client secret (not spent: the call it is for spends it)."""
         refused = self._refused(request)
         if refused is not None:
             return refused
+        if not self._server_key_ok(request) and not self.secrets.valid(
+            auth.presented_keys(request.scope, dict(request.query_params))
+        ):
+            return _error(401, "invalid_api_key", "a valid API key or client secret is required")
         return JSONResponse({"ice_servers": webrtc_peer.stun_for_browsers(self.ice_servers)})
 
     async def close(self) -> None:

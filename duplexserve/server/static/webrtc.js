@@ -13,10 +13,11 @@ export class CallRefused extends Error {}
 const sinks = new Set();
 
 // The STUN servers the server names (behind TURN it needs this browser's reflexive address);
-// none from a server that names none, or predates the route.
-async function iceServers() {
+// none from a server that names none, or predates the route. With keys it needs the page's.
+async function iceServers(token) {
   try {
-    const response = await fetch(new URL("v1/realtime/ice_servers", document.baseURI));
+    const headers = token ? { Authorization: `Bearer ${token}` } : {};
+    const response = await fetch(new URL("v1/realtime/ice_servers", document.baseURI), { headers });
     if (response.ok) return (await response.json()).ice_servers || [];
   } catch (_err) {
     // no such route: host candidates only
@@ -54,7 +55,7 @@ function refusal(status, body) {
 // Opens a call; resolves once session.created came on the data channel, with
 // { pc, channel, remote (MediaStream), location }. onEvent gets every Realtime event.
 export async function openCall({ mic, token, onEvent, timeoutMs }) {
-  const pc = new RTCPeerConnection({ iceServers: await iceServers() });
+  const pc = new RTCPeerConnection({ iceServers: await iceServers(token) });
   const call = { pc, channel: null, remote: null, location: null };
   try {
     for (const track of mic.getAudioTracks()) pc.addTrack(track, mic);
