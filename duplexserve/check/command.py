@@ -29,12 +29,13 @@ from duplexserve.check.requirements import (
 )
 from duplexserve.codecs.libopus import LIBOPUS
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
+from duplexserve.engine_bridge.moshi.presets import preset_note
 
 Line = Callable[[str, str], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    ServerConfig.add_arguments(parser)
+    ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
 
 
 def run(args: argparse.Namespace) -> int:
