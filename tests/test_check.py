@@ -105,7 +105,15 @@ def test_the_synthetic_engine_and_max_sessions_auto_on_the_cpu():
     assert done.returncode == 1
     assert fields(done.stdout)["auto"] == "--max-sessions auto sizes by GPU memory: on the CPU give a number"
     errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
-    assert errors and "--max-sessions auto sizes the moshi engine's slots" in errors[0], done.stdout
+    assert errors and "--max-sessions auto needs the moshi engine on a GPU" in errors[0], done.stdout
+
+
+def test_serve_and_check_help_list_the_presets():
+    from duplexserve.engine_bridge.moshi.presets import PRESETS
+
+    for command in ("serve", "check"):
+        text = "".join(run(command, "--help").stdout.split())  # argparse wraps at the hyphens too
+        assert f"oneof{','.join(PRESETS)}[envDUPLEXSERVE_MOSHI_PRESET" in text, command
 
 
 def test_the_plan_on_a_gpu():

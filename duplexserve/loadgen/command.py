@@ -93,7 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from rich.console import Console  # the [loadgen] extra: where it is missing, cli.py says so
+
+    if args.plots:
+        import matplotlib  # noqa: F401  (missing: said before the run, not after it)
 
     from duplexserve.loadgen import plots
     from duplexserve.loadgen.report import LiveView, print_report, write_json
