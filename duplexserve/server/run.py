@@ -154,10 +154,17 @@ def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
     )
 
 
+#: WebRTC's libraries: aioice logs each ICE check at INFO, about ten lines a call.
+QUIET_BELOW_DEBUG = ("aioice", "aiortc")
+
+
 def serve(config: ServerConfig) -> None:
     redact = RedactSecrets()
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "duplexserve"):
         logging.getLogger(name).addFilter(redact)
+    if config.log_level != "debug":
+        for name in QUIET_BELOW_DEBUG:
+            logging.getLogger(name).setLevel(logging.WARNING)
     app = create_app(config)
     app.freeze_gc = True
     DrainingServer(uvicorn_config(config, app), app, config.drain_grace_s).run()
