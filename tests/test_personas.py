@@ -168,6 +168,14 @@ def test_native_session_updated_echoes_the_prompt_the_model_ran(pp_server, echo_
     assert "text_prompt" not in updated and "voice_prompt" not in updated
 
 
+def test_a_text_prompt_without_a_tokenizer_names_the_option(server_factory):
+    server = server_factory("--engine", "moshi", "--moshi-preset", PRESET, "--device", "cpu",
+                            "--moshi-threads", "1", "--max-sessions", "1", "--api-keys", KEY)
+    events, _, code = run(native(server, {"text_prompt": "hello duplex"}))
+    assert kinds(events) == ["error"] and events[0]["code"] == "invalid_prompt" and code == 1007
+    assert "start it with --moshi-tokenizer" in events[0]["message"]
+
+
 def test_native_unknown_voice_and_bad_prompt_close_the_session(pp_server):
     events, audio, code = run(native(pp_server, {"voice_prompt": "NATF9.pt"}))
     assert kinds(events) == ["error"] and events[0]["code"] == "voice_not_found" and code == 1008
