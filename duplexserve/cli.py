@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 
+from duplexserve.check.requirements import INSTALL_MOSHI, MOSHI_NEEDS
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
 from duplexserve.subcommands import DefaultsHelpFormatter, LazyParser, from_module
@@ -14,8 +15,6 @@ from duplexserve.subcommands import DefaultsHelpFormatter, LazyParser, from_modu
 #: The optional packages a command may import, by the pyproject.toml extra that installs
 #: them; a command missing one says so in one line instead of a traceback.
 EXTRAS = {"rich": "loadgen", "matplotlib": "loadgen", "picows": "bench", "aiortc": "webrtc", "av": "webrtc"}
-#: What ``scripts/install-moshi.sh`` installs (not the [moshi] extra: check/requirements.py says why).
-MOSHI_PACKAGES = ("torch", "moshi", "safetensors", "huggingface_hub", "einops", "sentencepiece", "triton")
 #: The benchmarks' extra holds the load generator's too.
 BENCH_HOLDS = ("loadgen",)
 
@@ -81,8 +80,8 @@ def missing(command: str, exc: ModuleNotFoundError) -> str | None:
     module = (exc.name or "").partition(".")[0]
     if not module or module == "duplexserve":
         return None
-    if module in MOSHI_PACKAGES:
-        fix = "install the moshi engine's packages with scripts/install-moshi.sh"
+    if module in MOSHI_NEEDS:
+        fix = INSTALL_MOSHI
     elif module in EXTRAS:
         extra = EXTRAS[module]
         extra = "bench" if command == "bench" and extra in BENCH_HOLDS else extra
