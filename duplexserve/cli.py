@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
+from duplexserve.check.requirements import INSTALL_MOSHI, MOSHI_NEEDS
 from duplexserve.config import ServerConfig
-from duplexserve.subcommands import LazyParser, from_module
+from duplexserve.engine_bridge.moshi.presets import preset_note
+from duplexserve.subcommands import DefaultsHelpFormatter, LazyParser, from_module
+
+#: The optional packages a command may import, by the pyproject.toml extra that installs
+#: them; a command missing one says so in one line instead of a traceback.
+EXTRAS = {"rich": "loadgen", "matplotlib": "loadgen", "picows": "bench", "aiortc": "webrtc", "av": "webrtc"}
+#: The benchmarks' extra holds the load generator's too.
+BENCH_HOLDS = ("loadgen",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,49 +28,69 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve full-duplex speech sessions over WebSocket. Every flag also "
         "reads an environment variable, named in its help.",
     )
-    ServerConfig.add_arguments(serve_p)
+    ServerConfig.add_arguments(serve_p, notes={"moshi_preset": preset_note()})
     sub.add_parser("check", help="what this machine and these options give, without serving "
                    "(paste it into a bug report)", define=from_module("duplexserve.check.command"))
     sub.add_parser("loadgen", help="drive a server with sessions and measure it",
+                   formatter_class=DefaultsHelpFormatter,
                    define=from_module("duplexserve.loadgen.command"))
     sub.add_parser("bench", help="run a benchmark (docs/benchmarks.md)",
                    formatter_class=argparse.RawDescriptionHelpFormatter,
                    define=from_module("duplexserve.bench.command"))
     args = parser.parse_args(argv)
-    if args.command == "loadgen":
-        from duplexserve.loadgen import command
+    try:
+        if args.command == "serve":
+            return serve(args)
+        return int(importlib.import_module(f"duplexserve.{args.command}.command").run(args) or 0)
+    except ModuleNotFoundError as exc:
+        line = missing(args.command, exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
 
-        return command.run(args)
-    if args.command == "bench":
-        from duplexserve.bench import command
 
-        return command.run(args)
-    if args.command == "check":
-        from duplexserve.check import command
+def serve(args: argparse.Namespace) -> int:
+    config = ServerConfig.from_namespace(args)
+    try:
+        config.validate()
+    except ValueError as exc:  # one line: the top-level usage would say nothing of serve's options
+        print(f"duplexserve serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from duplexserve.check.preflight import CannotServe, preflight
 
-        return command.run(args)
-    if args.command == "serve":
-        config = ServerConfig.from_namespace(args)
-        try:
-            config.validate()
-        except ValueError as exc:  # one line, not argparse's usage of every flag before it
-            print(f"duplexserve serve: error: {exc}", file=sys.stderr)
-            return 2
-        logging.basicConfig(
-            level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        from duplexserve.check.preflight import CannotServe, preflight
+    try:
+        config = preflight(config)
+    except CannotServe as exc:
+        logging.getLogger("duplexserve").debug("preflight", exc_info=True)  # --log-level debug only
+        print(f"duplexserve: {exc}", file=sys.stderr)
+        return 1
+    from duplexserve.server.run import serve as run_server
 
-        try:
-            config = preflight(config)
-        except CannotServe as exc:
-            logging.getLogger("duplexserve").debug("preflight", exc_info=True)  # --log-level debug only
-            print(f"duplexserve: {exc}", file=sys.stderr)
-            return 1
-        from duplexserve.server.run import serve
-
-        serve(config)
+    run_server(config)
     return 0
+
+
+def missing(command: str, exc: ModuleNotFoundError) -> str | None:
+    """The line for an optional package ``command`` needs and this environment lacks (None:
+    not a package of anyone's: a module of duplexserve's own, a bug, keeps its traceback)."""
+    module = (exc.name or "").partition(".")[0]
+    if not module or module == "duplexserve":
+        return None
+    if module in MOSHI_NEEDS:
+        fix = INSTALL_MOSHI
+    elif module in EXTRAS:
+        extra = EXTRAS[module]
+        extra = "bench" if command == "bench" and extra in BENCH_HOLDS else extra
+        fix = f"pip install -e '.[{extra}]'"
+    elif module in ("vllm", "vllm_omni"):
+        fix = "run it from vLLM-Omni's venv, made by scripts/test-vllm-omni.sh (docs/vllm-omni.md)"
+    else:
+        fix = "pip install -e '.[test]' installs every optional package but the engines'"
+    return f"duplexserve {command}: needs {module}, not installed in {sys.prefix}; {fix}"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -340,13 +340,15 @@ class ServerConfig:
         return self.vllm_omni_model or self.engine
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field; defaults come from the environment when set there."""
+    def add_arguments(cls, parser: argparse.ArgumentParser, notes: Mapping[str, str] | None = None) -> None:
+        """Add one flag per field; defaults come from the environment when set there. ``notes``
+        adds to a field's help what only a part this module may not import knows (the presets)."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             env = ENV_PREFIX + f.name.upper()
             default = _from_env(env, f.default, f.metadata["parse"])
-            help_text = f"{f.metadata['help']} [env {env}; default %(default)s]"
+            note = f"; {notes[f.name]}" if notes and f.name in notes else ""
+            help_text = f"{f.metadata['help']}{note} [env {env}; default %(default)s]"
             if isinstance(f.default, bool) or f.type == "bool | None":
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
@@ -386,8 +388,8 @@ class ServerConfig:
             if self.engine != "moshi" or not self._on_gpu():
                 where = f"with --engine {self.engine}" if self.engine != "moshi" else "on the CPU"
                 raise ValueError(
-                    f"--max-sessions auto sizes the moshi engine's slots by its GPU's free memory; {where} "
-                    "give a number"
+                    "--max-sessions auto needs the moshi engine on a GPU (it sizes the slots by the GPU's "
+                    f"free memory); {where} pass a number instead, e.g. --max-sessions 8"
                 )
         elif self.max_sessions < 1:
             raise ValueError("max_sessions must be at least 1 (or auto)")

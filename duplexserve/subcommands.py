@@ -36,6 +36,20 @@ class LazyParser(argparse.ArgumentParser):
         return super().format_help()
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, without the defaults that say nothing: None
+    (the help says what unset means), a switch's False and an empty text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or not action.option_strings or default is argparse.SUPPRESS:
+            return text
+        if default is None or default is False or default == "":
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def from_module(module: str, add: str = "add_arguments") -> Callable[[argparse.ArgumentParser], None]:
     """A ``define`` that imports ``module``, shows its docstring as the description and calls its ``add``."""
 

@@ -124,6 +124,7 @@ def test_talk_page_round_trip_in_chromium(server_factory, tmp_path) -> None:
         # The echo engine's answer is the microphone itself: audio, not silence.
         assert live["maxOutputPeak"] > 0.01, live
         assert live["rttMs"] is not None and live["rttMs"] >= 0
+        assert page.inner_text("#rtt-label") == "frame to its answer, ms"  # the model's turnaround in it
         transcript = page.inner_text("#transcript")
         assert sum(word in transcript for word in WORDS) >= 3, transcript
         assert page.inner_text("#received") != "0"
@@ -145,9 +146,14 @@ def test_talk_page_round_trip_in_chromium(server_factory, tmp_path) -> None:
         assert done["framesReceived"] == done["framesSent"], done
 
 
+FULL = "The server is busy: every session it can hold is taken. Try again in a moment."
+
+
 @needs_chromium
-def test_talk_page_says_why_a_full_server_refused(server_factory, tmp_path) -> None:
-    server = server_factory("--max-sessions", "1", "--refuse-with-http-503")
+@pytest.mark.parametrize("http_503", [False, True], ids=["error-event", "http-503"])
+def test_talk_page_says_why_a_full_server_refused(server_factory, tmp_path, http_503) -> None:
+    """In a sentence, not the code (it showed ``server_unavailable: try again later``)."""
+    server = server_factory("--max-sessions", "1", *(["--refuse-with-http-503"] if http_503 else []))
 
     async def hold_the_only_slot() -> None:
         async with websockets.asyncio.client.connect(server.ws()) as ws:
@@ -160,7 +166,7 @@ def test_talk_page_says_why_a_full_server_refused(server_factory, tmp_path) -> N
             page.goto(server.http + "/?transport=websocket")
             page.click("#talk")
             page.wait_for_selector("#error:not([hidden])", timeout=15_000)
-            assert page.inner_text("#error") == "the server is full, try again later"
+            assert page.inner_text("#error") == FULL
             assert page.evaluate("window.duplexStats.state") == "idle"
 
     asyncio.run(hold_the_only_slot())
@@ -229,6 +235,7 @@ def call_in_chromium(server: Any, tmp_path: Path) -> None:
             pytest.fail(f"no call: {page.evaluate('window.duplexStats')}\n" + "\n".join(logs))
         live = page.evaluate("window.duplexStats")
         assert live["state"] == "live" and live["error"] is None, live
+        assert page.inner_text("#rtt-label") == "network round trip, ms"  # ICE's: the network alone
         assert live["iceRemote"].startswith("127.0.0.1:"), live  # the only candidate the server has
         assert live["iceLocal"].startswith("127.0.0.1:"), live  # the only address in the namespace
         assert live["maxOutputPeak"] > 0.01, live
@@ -269,6 +276,10 @@ def test_talk_page_falls_back_to_the_websocket_where_webrtc_is_not_served(server
         page.route("**/v1/realtime/calls", lambda route: route.fulfill(
             status=501, content_type="application/json",
             body='{"error": {"code": "webrtc_unavailable", "message": "no aiortc"}}'))  # fmt: skip
+        errors: list[str] = []  # but Chromium's own line for the 501 it was answered
+        page.on("console", lambda m: m.type == "error" and "(Not Implemented)" not in m.text
+                and errors.append(m.text))
+        page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(server.http + "/")
         page.click("#talk")
         page.wait_for_function(
@@ -276,4 +287,87 @@ def test_talk_page_falls_back_to_the_websocket_where_webrtc_is_not_served(server
             arg=page.evaluate_handle("window.duplexStats"),
             timeout=30_000,
         )
-        assert page.evaluate("window.duplexStats.error") is None
+        # The given-up call's timer (6 s) passes: it threw "no session after 6000 ms" here.
+        page.wait_for_timeout(7000)
+        assert page.evaluate("window.duplexStats.error") is None and errors == [], errors
+
+
+# ------------------------------------------------------------------------ a phone, a persona
+PHONE = {"width": 390, "height": 844}
+
+
+def fits(page: Any) -> None:
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= PHONE["width"], f"the page is {width} px wide at {PHONE['width']}"
+
+
+@needs_chromium
+def test_talk_page_fits_a_phone_without_errors_in_the_console(server_factory, tmp_path) -> None:
+    """At 390 px the controls spilled to 515 px; each session logged two 404s (/favicon.ico).
+    A model without prompts lists no voices: no persona to choose."""
+    server = server_factory("--max-sessions", "2")
+    with chromium_with_fake_mic(tmp_path) as browser:
+        page = browser.new_page(viewport=PHONE)
+        errors: list[str] = []
+        page.on("console", lambda m: m.type in ("error", "warning") and errors.append(m.text))
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(server.http + "/?transport=websocket")
+        fits(page)
+        assert page.is_hidden("#persona")
+        page.click("#talk")
+        page.wait_for_function("s => s.state === 'live' && s.framesReceived >= 20",
+                               arg=page.evaluate_handle("window.duplexStats"), timeout=30_000)
+        fits(page)
+        shot = tmp_path / "browser-390.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        page.click("#talk")
+        page.wait_for_function("s => s.state === 'idle'", arg=page.evaluate_handle("window.duplexStats"),
+                               timeout=15_000)
+        assert errors == [], errors
+
+
+@needs_chromium
+def test_talk_page_offers_the_voices_and_a_persona_and_sends_them(personaplex_checkpoint, server_factory,
+                                                                  tmp_path) -> None:
+    """PersonaPlex: the voice picker holds GET /v1/voices, the prompt box is the text prompt;
+    both go as the native query and as the call's Realtime session (multipart with the offer)."""
+    from tests.personaplex_checkpoint import CONTEXT, PRESET
+
+    pytest.importorskip("aiortc")
+    with loopback_only():
+        server = server_factory(
+            "--engine", "moshi", "--moshi-preset", PRESET, "--moshi-weights", str(personaplex_checkpoint),
+            "--voice-prompt-dir", str(personaplex_checkpoint / "voices"), "--moshi-context", str(CONTEXT),
+            "--moshi-threads", "1", "--max-sessions", "2", "--ice-host-addresses", "127.0.0.1",
+        )  # fmt: skip
+        with chromium_with_fake_mic(tmp_path, *LOOPBACK_ICE) as browser:
+            page = browser.new_page(viewport=PHONE)
+            page.goto(server.http + "/")
+            page.wait_for_selector("#persona:not([hidden])", timeout=15_000)
+            options = page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)")
+            assert options == ["", "voice.pt", "voice.wav"]
+            page.select_option("#voice", "voice.pt")
+            page.fill("#prompt", "hello duplex")
+            fits(page)
+            for transport in ("websocket", "webrtc"):
+                page.select_option("#transport", transport)
+                page.click("#talk")
+                page.wait_for_function(
+                    "s => s.state === 'live' && s.framesReceived >= 5 || s.error",
+                    arg=page.evaluate_handle("window.duplexStats"), timeout=40_000,
+                )
+                live = page.evaluate("window.duplexStats")
+                assert live["error"] is None and live["transport"] == transport, live
+                page.click("#talk")
+                page.wait_for_function("s => s.state === 'idle'",
+                                       arg=page.evaluate_handle("window.duplexStats"), timeout=15_000)
+            # A prompt the tiny model cannot take: said in a sentence, with the server's reason.
+            page.fill("#prompt", "hello duplex " * 40)
+            page.select_option("#transport", "websocket")
+            page.click("#talk")
+            page.wait_for_selector("#error:not([hidden])", timeout=15_000)
+            assert page.inner_text("#error").startswith("The model cannot take this persona: the prompt is ")
+        text = metrics(server)
+    for protocol in ("duplex/1", "webrtc"):
+        assert f'duplexserve_prompts_total{{outcome="ran",protocol="{protocol}"}} 1.0' in text, text

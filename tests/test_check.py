@@ -105,7 +105,15 @@ def test_the_synthetic_engine_and_max_sessions_auto_on_the_cpu():
     assert done.returncode == 1
     assert fields(done.stdout)["auto"] == "--max-sessions auto sizes by GPU memory: on the CPU give a number"
     errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
-    assert errors and "--max-sessions auto sizes the moshi engine's slots" in errors[0], done.stdout
+    assert errors and "--max-sessions auto needs the moshi engine on a GPU" in errors[0], done.stdout
+
+
+def test_serve_and_check_help_list_the_presets():
+    from duplexserve.engine_bridge.moshi.presets import PRESETS
+
+    for command in ("serve", "check"):
+        text = "".join(run(command, "--help").stdout.split())  # argparse wraps at the hyphens too
+        assert f"oneof{','.join(PRESETS)}[envDUPLEXSERVE_MOSHI_PRESET" in text, command
 
 
 def test_the_plan_on_a_gpu():
@@ -170,3 +178,32 @@ def test_a_checkpoint_on_disk(server_factory, tmp_path):
     server = server_factory("--engine", "moshi", "--moshi-weights", str(folder), "--max-sessions", "2")
     warned = server.log().splitlines()  # the server logs at warning level: Opus, where libopus is missing
     assert all("libopus" in line for line in warned), warned
+
+
+def test_options_that_refuse_sessions_the_model_takes_are_reported(tmp_path):
+    """PersonaPlex without a tokenizer refuses every text prompt and without voices every
+    voice: serve starts all the same, and check said ``problems none``."""
+    from tests.test_moshi_engine import _tokenizer
+
+    base = ("check", "--engine", "moshi", "--moshi-preset", "tiny-personaplex", "--device", "cpu",
+            "--max-sessions", "2")
+    done = run(*base)
+    assert done.returncode == 0, done.stdout
+    warned = [line for line in done.stdout.splitlines() if line.startswith("  warning")]
+    assert any("every text prompt is refused (invalid_prompt, 1007); pass --moshi-tokenizer" in line
+               for line in warned), done.stdout
+    assert any("every voice prompt is refused (voice_not_found, 1008)" in line
+               and "pass --voice-prompt-dir" in line for line in warned), done.stdout
+    _tokenizer(tmp_path / "spm.model")
+    (tmp_path / "voices").mkdir()
+    done = run(*base, "--moshi-tokenizer", str(tmp_path / "spm.model"), "--voice-prompt-dir",
+               str(tmp_path / "voices"))
+    assert "holds no voice" in done.stdout and "tokenizer" not in done.stdout.split("problems")[1]
+    (tmp_path / "voices" / "NATF2.pt").write_bytes(b"")
+    done = run(*base, "--moshi-tokenizer", str(tmp_path / "spm.model"), "--voice-prompt-dir",
+               str(tmp_path / "voices"))
+    assert "refused" not in done.stdout, done.stdout
+    done = run(*base, "--voice-prompt-dir", str(tmp_path / "none"))
+    assert done.returncode == 1 and f"--voice-prompt-dir {tmp_path / 'none'} is not a folder" in done.stdout
+    done = run("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "2")  # no prompts to refuse
+    assert "no tokenizer: sessions get no text (text.delta);" in done.stdout and "voice" not in done.stdout

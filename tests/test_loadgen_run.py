@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -164,3 +165,37 @@ def test_arrivals_turn_the_sessions_over_at_the_rate_and_time_to_ready_is_report
         _spec(echo_server.ws(), arrivals_per_s=1.0, paced=False).validate()
     with pytest.raises(ValueError, match="no prompt"):
         _spec(echo_server.ws(), protocol="twilio", text_prompt="be brief").validate()
+
+
+def test_against_a_real_model_the_answers_are_counted_not_checked_as_an_echo(server_factory):
+    """``--expect`` by default asks the server's /ready: a model's answers are no echo, and a
+    run that checked them as one failed every session (``frames ... altered``). Piped into a
+    file, the summary keeps every value whole (it was cut at 140 columns: ``0.996/0…``)."""
+    server = server_factory("--engine", "moshi", "--moshi-preset", "tiny", "--device", "cpu",
+                            "--moshi-threads", "1", "--max-sessions", "2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexserve", "loadgen", server.ws(), "-c", "2", "--frames", "6",
+         "--no-progress", "--no-metrics"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--expect none: the server runs the moshi engine" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if "native paced c=2" in line)
+    assert "…" not in row and re.search(r"\d\.\d{3}/\d\.\d{3}/\d\.\d{3}", row), row
+    assert re.search(r"[\d.]+/[\d.]+/[\d.]+ .* [\d,]+\.\d │$", row), row  # the last column, whole
+
+
+def test_against_the_echo_the_answers_are_checked_and_help_shows_the_defaults(echo_server):
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexserve", "loadgen", echo_server.ws(), "-c", "1", "--frames", "3",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("--expect echo: the server runs the synthetic echo engine")
+    text = " ".join(subprocess.run([sys.executable, "-m", "duplexserve", "loadgen", "--help"],
+                                   capture_output=True, text=True, timeout=60).stdout.split())
+    for shown in ("sweep (default: 8)", "(default: auto)", "(default: native)", "(default: pcm_f32le)",
+                  "(default: 24000)", "(default: paced)"):
+        assert shown in text, shown
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -153,6 +153,29 @@ def refused_while_prompting(server: ServerProcess) -> None:
         sock.close()
 
 
+def test_native_session_updated_echoes_the_prompt_the_model_ran(pp_server, echo_server):
+    events, _, _ = run(native(pp_server, update=PERSONA))
+    assert events[1]["type"] == "session.updated", events
+    assert (events[1]["text_prompt"], events[1]["voice_prompt"]) == ("hello duplex", "voice.pt")
+    events, _, _ = run(native(pp_server, update=OTHER))
+    assert (events[1]["text_prompt"], events[1]["voice_prompt"]) == ("every session", "")
+    # A prompt from the query, then an update of the formats only: still the prompt applied.
+    events, _, _ = run(native(pp_server, PERSONA, update={"output": {"format": "pcm_f32le"}}))
+    assert events[1]["type"] == "session.updated" and events[1]["voice_prompt"] == "voice.pt"
+    # A model without prompts ran none: nothing to echo (and prompt_unsupported said so).
+    events, _, _ = run(native(echo_server, update=PERSONA))
+    updated = next(e for e in events if e["type"] == "session.updated")
+    assert "text_prompt" not in updated and "voice_prompt" not in updated
+
+
+def test_a_text_prompt_without_a_tokenizer_names_the_option(server_factory):
+    server = server_factory("--engine", "moshi", "--moshi-preset", PRESET, "--device", "cpu",
+                            "--moshi-threads", "1", "--max-sessions", "1", "--api-keys", KEY)
+    events, _, code = run(native(server, {"text_prompt": "hello duplex"}))
+    assert kinds(events) == ["error"] and events[0]["code"] == "invalid_prompt" and code == 1007
+    assert "start it with --moshi-tokenizer" in events[0]["message"]
+
+
 def test_native_unknown_voice_and_bad_prompt_close_the_session(pp_server):
     events, audio, code = run(native(pp_server, {"voice_prompt": "NATF9.pt"}))
     assert kinds(events) == ["error"] and events[0]["code"] == "voice_not_found" and code == 1008
@@ -317,6 +340,21 @@ def test_realtime_unknown_voice_is_an_error_then_1008(pp_server):
     events, code = run(go())
     assert kinds(events) == ["session.created", "error"] and code == 1008
     assert events[1]["error"]["code"] == "voice_not_found"
+
+
+def test_realtime_unknown_voice_is_named_in_realtimes_own_term(pp_server):
+    """Realtime calls it the output ``voice``, not the native ``voice_prompt``; and where voices come from."""
+
+    async def go() -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with connect(pp_server.ws("/v1/realtime"), additional_headers=headers) as ws:
+            await ws.recv()  # session.created
+            await ws.send(json.dumps({"type": "session.update", "session": {"voice": "alloy"}}))
+            return json.loads(await ws.recv())
+
+    error = run(go())["error"]
+    assert error["message"] == ("voice 'alloy' is not one of this server's voices: GET /v1/voices lists "
+                                "them (its --voice-prompt-dir)")
 
 
 # ------------------------------------------------------------------------ voices and metrics

@@ -111,13 +111,17 @@ def test_an_unknown_preset_and_a_missing_checkpoint():
 
 
 def test_max_sessions_auto_needs_a_gpu():
+    """One line that says what auto needs and what to pass instead (it was the top-level usage)."""
     for args, env in [(("--max-sessions", "auto"), {}), ((), {"DUPLEXSERVE_MAX_SESSIONS": "auto"})]:
         done = run("serve", "--engine", "moshi", "--device", "cpu", *args, env=env)
         assert done.returncode == 2, done.stderr
-        assert "--max-sessions auto sizes the moshi engine's slots by its GPU's free memory; on the CPU " \
-               "give a number" in done.stderr
+        assert done.stderr.splitlines() == [
+            "duplexserve serve: --max-sessions auto needs the moshi engine on a GPU (it sizes the slots by "
+            "the GPU's free memory); on the CPU pass a number instead, e.g. --max-sessions 8"
+        ]
     done = run("serve", "--max-sessions", "auto")
-    assert done.returncode == 2 and "with --engine synthetic give a number" in done.stderr
+    assert done.returncode == 2 and "with --engine synthetic pass a number instead" in done.stderr
+    assert "usage" not in done.stderr
     done = run("serve", "--max-sessions", "0")  # 0 is not a way to write auto
     assert done.returncode == 2 and "invalid int_or_auto value: '0'" in done.stderr
 

@@ -27,14 +27,16 @@ from duplexserve.check.requirements import (
     version,
     vllm_omni_venv,
 )
+from duplexserve.check.sessions import session_problems
 from duplexserve.codecs.libopus import LIBOPUS
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
+from duplexserve.engine_bridge.moshi.presets import preset_note
 
 Line = Callable[[str, str], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    ServerConfig.add_arguments(parser)
+    ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +111,7 @@ def _moshi(config: ServerConfig, torch: Torch, line: Line) -> list[Problem]:
         line("model", "none: see the problems below")
         return [*found_problems, exc.problem]
     line("model", model.describe())
+    found_problems += session_problems(config, model)
     dtype = lm_dtype(config, on_gpu)
     kv = kv_per_slot(config, model, dtype)
     line("kv ring", f"{_size(kv)} a slot: {_kv_formula(config, model, dtype)}")

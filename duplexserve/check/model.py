@@ -33,6 +33,7 @@ class Model:
     mimi: dict[str, Any] | None  # Mimi's config; None: moshi's stock Mimi
     model_type: str
     codebooks: int  # Mimi codebooks per stream
+    tokenizer: bool  # a SentencePiece model: the checkpoint's, or --moshi-tokenizer's
 
     def describe(self) -> str:
         lm = self.lm
@@ -78,11 +79,12 @@ def resolve_model(config: ServerConfig) -> Model:
             f", {what} {path}" for what, path in given if path
         )
         described, mimi, model_type = f"checkpoint {name}", info.mimi_config, info.model_type
+        tokenizer = bool(info.tokenizer)
     else:
-        tokenizer = config.moshi_tokenizer
-        if tokenizer and not Path(tokenizer).is_file():
+        tokenizer = bool(config.moshi_tokenizer)
+        if tokenizer and not Path(config.moshi_tokenizer).is_file():
             fix = "point it at a SentencePiece model, or leave it out (no text)"
-            raise ModelError(Problem(f"--moshi-tokenizer {tokenizer} is not a file", fix))
+            raise ModelError(Problem(f"--moshi-tokenizer {config.moshi_tokenizer} is not a file", fix))
         try:
             preset = get_preset(config.moshi_preset)
         except ValueError as exc:
@@ -92,4 +94,4 @@ def resolve_model(config: ServerConfig) -> Model:
         described = f"preset {preset.name} (random weights)"
     if config.moshi_context:
         lm["context"] = config.moshi_context
-    return Model(described, lm, mimi, model_type, codebooks)
+    return Model(described, lm, mimi, model_type, codebooks, tokenizer)

@@ -6,6 +6,10 @@ import argparse
 from pathlib import Path
 
 from duplexserve.loadgen.drivers import available
+from duplexserve.loadgen.expect import server_expect
+
+#: The console's width when the output is not a terminal: wide enough for any table whole.
+PIPED_WIDTH = 1000
 
 
 def _count(value: str) -> str:
@@ -41,17 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message-ms", type=int, default=80, help="audio per message (80 or 160)")
     p.add_argument("--mode", choices=("paced", "burst"), default="paced",
                    help="paced: real time on an absolute schedule; burst: as fast as the socket takes it")
-    p.add_argument("--input-format", default="pcm_f32le")
-    p.add_argument("--input-rate", type=int, default=24000)
-    p.add_argument("--output-format", default="pcm_f32le")
-    p.add_argument("--output-rate", type=int, default=24000)
+    p.add_argument("--input-format", default="pcm_f32le",
+                   help="audio sent: pcm_f32le, pcm_s16le, g711_ulaw, g711_alaw or opus (docs/protocol.md)")
+    p.add_argument("--input-rate", type=int, default=24000, help="sample rate of the audio sent")
+    p.add_argument("--output-format", default="pcm_f32le", help="audio asked of the server")
+    p.add_argument("--output-rate", type=int, default=24000, help="sample rate asked of the server")
     p.add_argument("--wav", help="audio to send (looped or cut to length); default a generated signal")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated signal and of the send times")
     p.add_argument("--processes", type=int, default=1, help="client processes")
     p.add_argument("--ramp-s", type=float, help="spread session starts over this long (default: auto)")
-    p.add_argument("--expect", choices=("echo", "silence", "none"), default="echo",
-                   help="what the server's engine answers (checked byte for byte unless none)")
-    p.add_argument("--delay-frames", type=int, default=0, help="the echo engine's delay_frames")
+    p.add_argument("--expect", choices=("auto", "echo", "silence", "none"), default="auto",
+                   help="what the server's engine answers, checked byte for byte unless none; auto: "
+                        "echo against the synthetic engine or an echo floor, none against a real model "
+                        "(whose answers are counted and timed only), as the server's GET /ready tells")
+    p.add_argument("--delay-frames", type=int, default=0,
+                   help="the synthetic engine's --delay-frames (its echo comes this many frames late)")
     p.add_argument("--playback-buffer-frames", type=int, default=1,
                    help="player buffer for counting underruns (see docs/benchmarks.md)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="connect and final-answer timeout")
@@ -85,18 +93,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from rich.console import Console  # the [loadgen] extra: where it is missing, cli.py says so
+
+    if args.plots:
+        import matplotlib  # noqa: F401  (missing: said before the run, not after it)
 
     from duplexserve.loadgen import plots
     from duplexserve.loadgen.report import LiveView, print_report, write_json
     from duplexserve.loadgen.runner import LoadSpec, run_load
 
-    console = Console(width=None if Console().is_terminal else 140)
+    # Piped into a file, every value whole: no terminal to fit, the table as wide as it needs.
+    console = Console(width=None if Console().is_terminal else PIPED_WIDTH)
     try:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:
-        console.print(f"[red]bad --concurrency {args.concurrency!r}[/]")
+        console.print(f"bad --concurrency {args.concurrency!r}", style="red", markup=False)
         return 2
+    expect = args.expect
+    if expect == "auto":
+        expect, why = server_expect(args.url, args.timeout_s)
+        console.print(f"--expect {expect}: {why}", markup=False)
     frames = args.frames if args.frames else round(args.seconds * 12.5) if args.seconds else 125
     results = []
     for concurrency in levels:
@@ -106,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             frames=frames, message_ms=args.message_ms, paced=args.mode == "paced",
             input_format=args.input_format, input_rate=args.input_rate,
             output_format=args.output_format, output_rate=args.output_rate, wav=args.wav,
-            seed=args.seed, processes=args.processes, ramp_s=args.ramp_s, expect=args.expect,
+            seed=args.seed, processes=args.processes, ramp_s=args.ramp_s, expect=expect,
             delay_frames=args.delay_frames, playback_buffer_frames=args.playback_buffer_frames,
             timeout_s=args.timeout_s, scrape_metrics=not args.no_metrics, drop_every=args.drop_every,
             text_prompt=args.text_prompt, voice_prompt=args.voice_prompt, arrivals_per_s=args.arrivals_per_s,
@@ -116,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             spec.validate()
         except ValueError as exc:
-            console.print(f"[red]{exc}[/]")
+            console.print(str(exc), style="red", markup=False)
             return 2
         with LiveView(console, not args.no_progress) as view:
             results.append(run_load(spec, view.update))

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 
 from duplexserve.loadgen.results import RunResult
@@ -75,34 +76,53 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def summary_table(results: list[RunResult]) -> Table:
-    """One row per run: guards, RTF, round trip, lateness, server and client cost."""
-    table = Table(title="loadgen summary", show_lines=False)
-    columns = (
-        "run", "guards", "sessions", "frames", "RTF min/med/max", "ready p50/p99/max ms", "rt p50/p99/max ms",
-        "late p99 ms", "underruns", "srv us/frame", "vcsw/frame", "exec/frame", "wall us/frame",
-    )
-    for c in columns:
-        table.add_column(c, justify="left" if c == "run" else "right")
-    for r in results:
-        s = r.summary()
-        server = s.get("server") or {}
-        ready = "ready_joining" if r.config.get("arrivals_per_s") else "ready"  # joining: after the ramp
-        table.add_row(
-            r.label,
-            "[green]ok[/]" if s["guards_ok"] else f"[red]FAIL {s['failed_sessions']}[/]",
-            str(s["sessions"]),
-            str(s["frames"]),
-            f"{_fmt(s['rtf_min'], 3)}/{_fmt(s['rtf_median'], 3)}/{_fmt(s['rtf_max'], 3)}",
-            "/".join(_fmt(s[f"{ready}_{q}_ms"], 1) for q in ("p50", "p99", "max")),
-            f"{_fmt(s['rt_p50_ms'], 1)}/{_fmt(s['rt_p99_ms'], 1)}/{_fmt(s['rt_max_ms'], 1)}",
-            _fmt(s["lateness_p99_ms"], 1),
-            str(s["underruns"]),
-            _fmt(server.get("cpu_us_per_frame"), 1),
-            _fmt(server.get("voluntary_switches_per_frame"), 3),
-            _fmt(server.get("executor_submissions_per_frame"), 3),
-            _fmt(s["us_per_frame_wall"], 1),
-        )
+UNBOUNDED = 1 << 20  # a width no table reaches: its natural width is measured against it
+COLUMNS = (
+    "run", "guards", "sessions", "frames", "RTF min/med/max", "ready p50/p99/max ms", "rt p50/p99/max ms",
+    "late p99 ms", "underruns", "srv us/frame", "vcsw/frame", "exec/frame", "wall us/frame",
+)
+
+
+def summary_row(r: RunResult) -> list[str]:
+    """One run's values, in the order of :data:`COLUMNS`."""
+    s = r.summary()
+    server = s.get("server") or {}
+    ready = "ready_joining" if r.config.get("arrivals_per_s") else "ready"  # joining: after the ramp
+    return [
+        r.label,
+        "[green]ok[/]" if s["guards_ok"] else f"[red]FAIL {s['failed_sessions']}[/]",
+        str(s["sessions"]),
+        str(s["frames"]),
+        f"{_fmt(s['rtf_min'], 3)}/{_fmt(s['rtf_median'], 3)}/{_fmt(s['rtf_max'], 3)}",
+        "/".join(_fmt(s[f"{ready}_{q}_ms"], 1) for q in ("p50", "p99", "max")),
+        f"{_fmt(s['rt_p50_ms'], 1)}/{_fmt(s['rt_p99_ms'], 1)}/{_fmt(s['rt_max_ms'], 1)}",
+        _fmt(s["lateness_p99_ms"], 1),
+        str(s["underruns"]),
+        _fmt(server.get("cpu_us_per_frame"), 1),
+        _fmt(server.get("voluntary_switches_per_frame"), 3),
+        _fmt(server.get("executor_submissions_per_frame"), 3),
+        _fmt(s["us_per_frame_wall"], 1),
+    ]
+
+
+def summary_table(results: list[RunResult], width: int) -> Table:
+    """One row per run: guards, RTF, round trip, lateness, server and client cost; where that
+    is wider than ``width`` (a terminal's), one row per figure and a column per run."""
+    rows = [summary_row(r) for r in results]
+    table = Table(title="loadgen summary")
+    for c in COLUMNS:
+        table.add_column(c, justify="left" if c == "run" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    measure = Console(width=width)
+    if Measurement.get(measure, measure.options.update(max_width=UNBOUNDED), table).maximum <= width:
+        return table
+    table = Table(title="loadgen summary")
+    table.add_column("run")
+    for row in rows:  # a value folds where even one run is too wide: never cut
+        table.add_column(row[0], justify="right", overflow="fold")
+    for i, name in enumerate(COLUMNS[1:], 1):
+        table.add_row(name, *(row[i] for row in rows))
     return table
 
 
@@ -118,7 +138,7 @@ def client_line(r: RunResult) -> str:
 
 
 def print_report(console: Console, results: list[RunResult]) -> None:
-    console.print(summary_table(results))
+    console.print(summary_table(results, console.width))
     for r in results:
         console.print(client_line(r))
         s = r.summary()

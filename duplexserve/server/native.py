@@ -74,6 +74,8 @@ class NativeConnection(Connection):
     _prompted = False
     #: The prompt of a ``session.update`` running: audio is refused until ``session.updated``.
     _prompting: asyncio.Task[None] | None = None
+    #: The prompt the model ran (from the query or a ``session.update``), echoed in ``session.updated``.
+    _applied: dict[str, str] | None = None
 
     async def handshake(self) -> bool:
         q = self.query
@@ -97,6 +99,7 @@ class NativeConnection(Connection):
             await self.refuse_session(refused)
             return False
         self._prompted = prompt is not None
+        self._ran(prompt, refused)
         created = self._describe("session.created")
         registry = self.orch.resume
         if registry.enabled:
@@ -339,7 +342,7 @@ class NativeConnection(Connection):
         except FormatError as exc:
             raise SessionError("unsupported_format", str(exc)) from None
         if prompt is None:
-            session.say(self._describe("session.updated"))
+            session.say(self._updated())
             return
         self._prompted = True
         self._prompting = run_eager(self._prompt(prompt))  # None: answered at once (no engine)
@@ -355,9 +358,18 @@ class NativeConnection(Connection):
             self._prompting = None
         if refused is not None:
             session.error(refused)
+        self._ran(prompt, refused)
         if refused is None or not refused.fatal:
-            session.say(self._describe("session.updated"))
+            session.say(self._updated())
         self._received(session)
+
+    def _ran(self, prompt: dict[str, str] | None, refused: SessionError | None) -> None:
+        if prompt is not None and refused is None:
+            self._applied = {key: prompt.get(key, "") for key in personas.PROMPT_KEYS}
+
+    def _updated(self) -> dict[str, Any]:
+        """``session.updated``: the formats, and the prompt the model ran, once one ran."""
+        return {**self._describe("session.updated"), **(self._applied or {})}
 
     async def _end_input(self) -> None:
         session = self.session

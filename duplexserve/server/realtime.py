@@ -34,7 +34,7 @@ import numpy as np
 from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, MODEL_RATE, FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
-from duplexserve.server import auth
+from duplexserve.server import auth, personas
 from duplexserve.server import realtime_events as ev
 from duplexserve.server.connection import Connection
 from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
@@ -226,6 +226,9 @@ class RealtimeConnection(Connection):
         session = self.session
         assert session is not None
         refused = await self.run_prompt(prompt)
+        if refused is not None and refused.code == "voice_not_found":  # in Realtime's own term
+            refused = personas.refusal(refused.code, f"voice {prompt['voice_prompt']!r} is not one of this "
+                                       "server's voices: GET /v1/voices lists them (its --voice-prompt-dir)")
         if refused is not None:
             session.error(refused)
             if refused.fatal:

@@ -147,8 +147,15 @@ def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
     )
 
 
+#: WebRTC's libraries: aioice logs each ICE check at INFO, about ten lines a call.
+QUIET_BELOW_DEBUG = ("aioice", "aiortc")
+
+
 def serve(config: ServerConfig) -> None:
     log_redaction.install()  # the root's handler; uvicorn's come with its config
+    if config.log_level != "debug":
+        for name in QUIET_BELOW_DEBUG:
+            logging.getLogger(name).setLevel(logging.WARNING)
     app = create_app(config)
     app.freeze_gc = True
     server_config = uvicorn_config(config, app)  # configures uvicorn's log handlers

@@ -50,7 +50,7 @@ try:
 
     PROBLEM: str | None = None
 except ImportError as exc:  # the optional extra is not installed
-    PROBLEM = f"WebRTC needs aiortc (pip install 'duplexserve[webrtc]'): {exc}"
+    PROBLEM = f"WebRTC needs aiortc, the [webrtc] extra: pip install -e '.[webrtc]' ({exc})"
     MediaStreamTrack = object  # type: ignore[assignment,misc]
 
 __all__ = [

@@ -519,7 +519,8 @@ class MoshiEngine(Engine):
         tokens: list[int] = []
         if text.strip():
             if self.tokenizer is None:
-                raise PromptError("invalid_prompt", "a text prompt needs the model's tokenizer")
+                raise PromptError("invalid_prompt", "a text prompt needs the model's tokenizer, and this "
+                                  "server has none: start it with --moshi-tokenizer (a SentencePiece model)")
             tokens = self.tokenizer.encode(wrap_system(text))
         prompt = Prompt.build(self._layout, tokens, voice)
         context = self.lm_gen.lm_model.transformer.layers[0].self_attn.context

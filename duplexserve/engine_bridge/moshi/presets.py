@@ -291,6 +291,11 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def preset_note() -> str:
+    """The presets, for ``--moshi-preset``'s help (config.py may not import this module)."""
+    return f"one of {', '.join(PRESETS)}"
+
+
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]

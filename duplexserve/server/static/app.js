@@ -1,8 +1,12 @@
 // The talk page: microphone -> model -> speaker, both ways at once. Over WebRTC (the
 // default where it connects, webrtc.js): Opus tracks and Realtime events on a data channel.
 // Otherwise over the WebSocket: 80 ms pcm_f32le frames over duplex/1 -> jitter buffer -> speaker.
+// A model that takes a persona (PersonaPlex) lists its voices at GET /v1/voices: the page then
+// offers them and a text prompt, sent as the native query's text_prompt and voice_prompt, or
+// as the call's Realtime session (instructions, output voice).
 // No build step: plain ES modules served as static files next to index.html.
 
+import { humanize } from "./messages.js";
 import { CallRefused, callFigures, closeCall, openCall } from "./webrtc.js";
 
 const RATE = 24000;
@@ -14,6 +18,17 @@ const CALL_TIMEOUT_MS = 6000; // WebRTC not connected by then: the WebSocket ins
 const RECORD_FRAMES = 400; // 32 s of what was sent and heard (WebRTC), for the browser test
 
 const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const token = params.get("token");
+
+// What the round trip means differs by transport, and its label says which.
+const RTT_LABELS = {
+  websocket: ["frame to its answer, ms", "median frame to answer, ms",
+    "From sending an 80 ms frame to receiving the model's answer to it: the network both ways " +
+    "and the server's turnaround (the model's step included)."],
+  webrtc: ["network round trip, ms", "median network round trip, ms",
+    "The WebRTC connection's own round trip (ICE): the network alone, not the model's turnaround."],
+};
 
 // Everything the page shows, also read by the browser test.
 const stats = {
@@ -74,9 +89,52 @@ function socketUrl() {
   url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
   url.searchParams.set("input_format", "pcm_f32le");
   url.searchParams.set("output_format", "pcm_f32le");
-  const token = new URLSearchParams(location.search).get("token");
   if (token) url.searchParams.set("token", token);
+  const { text, voice } = persona();
+  if (text) url.searchParams.set("text_prompt", text);
+  if (voice) url.searchParams.set("voice_prompt", voice);
   return url.toString();
+}
+
+// The persona chosen: nothing where the model takes none (the controls stay hidden).
+function persona() {
+  if ($("persona").hidden) return { text: "", voice: "" };
+  return { text: $("prompt").value.trim(), voice: $("voice").value };
+}
+
+// The call's Realtime session: the same persona as instructions and the output voice.
+function callSession() {
+  const { text, voice } = persona();
+  if (!text && !voice) return null;
+  const session = { type: "realtime" };
+  if (text) session.instructions = text;
+  if (voice) session.audio = { output: { voice } };
+  return session;
+}
+
+// The voices the server holds; a model without prompts lists none, and the page offers none.
+async function loadVoices() {
+  const url = new URL("v1/voices", document.baseURI);
+  if (token) url.searchParams.set("token", token);
+  try {
+    const response = await fetch(url);
+    if (!response.ok) return;
+    const voices = (await response.json()).data || [];
+    for (const { id } of voices) $("voice").add(new Option(id, id));
+    const asked = params.get("voice"); // ?voice=NATF2.pt
+    if (voices.some((v) => v.id === asked)) $("voice").value = asked;
+    $("prompt").value = params.get("prompt") || "";
+    $("persona").hidden = voices.length === 0;
+  } catch (_err) {
+    // no voices route: no persona to choose
+  }
+}
+
+function showRttLabels(transport) {
+  const [now, median, title] = RTT_LABELS[transport] || ["round trip, ms", "median round trip, ms", ""];
+  $("rtt-label").textContent = now;
+  $("rtt-p50-label").textContent = median;
+  $("rtt-label").title = $("rtt-p50-label").title = title;
 }
 
 function setState(state) {
@@ -124,6 +182,7 @@ async function start() {
       audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
     });
     const mode = $("transport").value;
+    $("persona").querySelectorAll("select, textarea").forEach((e) => (e.disabled = true));
     if (mode !== "websocket" && window.RTCPeerConnection) {
       try {
         await startCall();
@@ -144,9 +203,11 @@ async function start() {
 
 // WebRTC: the call carries the microphone and the model's voice; the page only listens in.
 async function startCall() {
-  const token = new URLSearchParams(location.search).get("token");
-  call = await openCall({ mic, token, onEvent: realtimeEvent, timeoutMs: CALL_TIMEOUT_MS });
+  call = await openCall({
+    mic, token, session: callSession(), onEvent: realtimeEvent, timeoutMs: CALL_TIMEOUT_MS,
+  });
   stats.transport = "webrtc";
+  showRttLabels("webrtc");
   const voice = ctx.createMediaStreamSource(call.remote);
   voice.connect(ctx.destination);
   // Two capture nodes made together: the microphone and the voice on one frame clock.
@@ -167,7 +228,7 @@ function realtimeEvent(msg) {
   } else if (msg.type === "response.output_audio_transcript.delta") {
     addText(msg.delta);
   } else if (msg.type === "error") {
-    showError(`${msg.error.code}: ${msg.error.message}`);
+    showError(humanize(msg.error.code, msg.error.message));
   } else if (msg.type === "session.closed") {
     stats.closeReason = msg.reason;
   }
@@ -225,6 +286,7 @@ async function startSocket() {
   player.connect(ctx.destination);
   await openSocket();
   stats.transport = "websocket";
+  showRttLabels("websocket");
   capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 1, numberOfOutputs: 1 });
   capture.port.onmessage = (event) => sendFrame(event.data);
   // The capture node outputs silence; connecting it keeps it pulled by the audio graph.
@@ -255,7 +317,7 @@ function openSocket() {
       } else if (msg.type === "text.delta") {
         addText(msg.text);
       } else if (msg.type === "error") {
-        showError(`${msg.code}: ${msg.message}`);
+        showError(humanize(msg.code, msg.message));
       } else if (msg.type === "session.closed") {
         stats.closeReason = msg.reason;
       }
@@ -278,12 +340,12 @@ async function explainRefusal(code) {
   if (stats.error) return stats.error;
   try {
     const ready = await (await fetch(new URL("ready", document.baseURI))).json();
-    if (ready.draining) return "the server is draining, try again later";
-    if (!ready.ready) return "the server is full, try again later";
+    if (ready.draining) return humanize("server_shutdown");
+    if (!ready.ready) return humanize("server_unavailable");
   } catch (_err) {
-    return "cannot reach the server";
+    return "The server cannot be reached.";
   }
-  return `the server refused the session (close ${code})`;
+  return `The server refused the session (close ${code}).`;
 }
 
 function sendFrame({ frame, peak }) {
@@ -346,6 +408,7 @@ function teardown() {
   if (ctx) ctx.close();
   ctx = ws = mic = capture = player = call = heard = figuresTimer = null;
   stats.inputPeak = stats.outputPeak = 0;
+  $("persona").querySelectorAll("select, textarea").forEach((e) => (e.disabled = false));
   setState("idle");
 }
 
@@ -382,8 +445,9 @@ function render() {
 }
 
 $("talk").addEventListener("click", () => (stats.state === "live" ? stop() : start()));
-const asked = new URLSearchParams(location.search).get("transport"); // ?transport=websocket
+const asked = params.get("transport"); // ?transport=websocket
 if (["auto", "webrtc", "websocket"].includes(asked)) $("transport").value = asked;
+loadVoices();
 $("prebuffer").addEventListener("change", () => {
   if (player) player.port.postMessage({ prebuffer: prebufferSamples() });
 });

@@ -3,6 +3,8 @@
 // POST /v1/realtime/calls as OpenAI's browser clients send it. Over UDP a lost packet is
 // concealed instead of stalling the conversation as it does over TCP.
 
+import { humanize } from "./messages.js";
+
 const CHANNEL = "oai-events";
 
 // The server said no (auth, capacity, drain): the WebSocket would be refused too.
@@ -47,16 +49,19 @@ function refusal(status, body) {
   } catch (_err) {
     // not JSON: the status says enough
   }
-  const text = `${code}: ${message}`;
   // 501: no WebRTC on this server, 404/405: an older server; anything else is its answer.
-  return [501, 404, 405].includes(status) ? new Error(text) : new CallRefused(text);
+  if ([501, 404, 405].includes(status)) return new Error(`${code}: ${message}`);
+  return new CallRefused(humanize(code, message));
 }
 
 // Opens a call; resolves once session.created came on the data channel, with
 // { pc, channel, remote (MediaStream), location }. onEvent gets every Realtime event.
-export async function openCall({ mic, token, onEvent, timeoutMs }) {
+// ``session`` (a Realtime session object, the persona) goes with the offer, as OpenAI's
+// multipart form: the server runs its prompt before the call's first audio.
+export async function openCall({ mic, token, session, onEvent, timeoutMs }) {
   const pc = new RTCPeerConnection({ iceServers: await iceServers(token) });
   const call = { pc, channel: null, remote: null, location: null };
+  let timer = null;
   try {
     for (const track of mic.getAudioTracks()) pc.addTrack(track, mic);
     const channel = pc.createDataChannel(CHANNEL);
@@ -64,11 +69,13 @@ export async function openCall({ mic, token, onEvent, timeoutMs }) {
     let created;
     const ready = new Promise((resolve, reject) => {
       created = resolve;
-      setTimeout(() => reject(new Error(`no session after ${timeoutMs} ms (ICE did not connect)`)), timeoutMs);
+      timer = setTimeout(() => reject(new Error(`no session after ${timeoutMs} ms (ICE did not connect)`)),
+        timeoutMs);
       pc.addEventListener("connectionstatechange", () => {
         if (pc.connectionState === "failed") reject(new Error("ICE failed"));
       });
     });
+    ready.catch(() => {}); // a call given up before it is awaited (refused, the WebSocket instead)
     channel.onmessage = (event) => {
       let msg;
       try {
@@ -88,23 +95,33 @@ export async function openCall({ mic, token, onEvent, timeoutMs }) {
     };
     await pc.setLocalDescription(await pc.createOffer());
     await gathered(pc, 2000);
-    const headers = { "Content-Type": "application/sdp" };
+    const headers = {};
     if (token) headers.Authorization = `Bearer ${token}`;
+    let body = pc.localDescription.sdp;
+    if (session) {
+      body = new FormData();
+      body.set("sdp", pc.localDescription.sdp);
+      body.set("session", JSON.stringify(session));
+    } else {
+      headers["Content-Type"] = "application/sdp";
+    }
     const response = await fetch(new URL("v1/realtime/calls", document.baseURI), {
       method: "POST",
-      body: pc.localDescription.sdp,
+      body,
       headers,
     });
-    const body = await response.text();
-    if (response.status !== 201) throw refusal(response.status, body);
+    const answer = await response.text();
+    if (response.status !== 201) throw refusal(response.status, answer);
     call.location = response.headers.get("Location");
-    await pc.setRemoteDescription({ type: "answer", sdp: body });
+    await pc.setRemoteDescription({ type: "answer", sdp: answer });
     await ready;
     if (!call.remote) throw new Error("the answer has no audio track");
     return call;
   } catch (err) {
     closeCall(call);
     throw err;
+  } finally {
+    clearTimeout(timer);
   }
 }
 
