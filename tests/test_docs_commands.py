@@ -287,21 +287,29 @@ def test_the_block_runs_as_written(block: Block, request):
             return
     port = request.getfixturevalue("doc_server").port if DOC_PORT in block.text else free_port()
     if block.lang == "python":
-        write_speech(copy / "in.wav")  # what the ten-line client reads
+        write_speech(copy / "in.wav", rate=22050)  # what the ten-line client reads: not 24 kHz
         argv = [sys.executable, "-c", rewrite(block.text, port)]
     else:
         argv = ["bash", "-e", "-o", "pipefail", "-c", rewrite(block.text, port)]
     done = subprocess.run(argv, cwd=copy, env=block_env(copy), capture_output=True, text=True, timeout=600)
     said = done.stdout + done.stderr
     assert done.returncode == 0 and "Traceback" not in said, f"{block.id} ({done.returncode}): {said[-4000:]}"
+    if (copy / "out.wav").exists():  # the ten-line client: the answer is as long as the input
+        with wave.open(str(copy / "out.wav")) as w:
+            seconds = w.getnframes() / w.getframerate()
+        assert SPEECH_S <= seconds <= SPEECH_S + 0.08, seconds  # up to one 80 ms frame padded
+        (copy / "out.wav").unlink()
 
 
-def write_speech(path: Path, seconds: float = 2.0) -> None:
-    """A 24 kHz mono 16-bit WAV: a tone, then silence."""
-    t = np.arange(int(24000 * seconds)) / 24000
+SPEECH_S = 2.0
+
+
+def write_speech(path: Path, seconds: float = SPEECH_S, rate: int = 24000) -> None:
+    """A mono 16-bit WAV at ``rate``: a tone, then silence."""
+    t = np.arange(int(rate * seconds)) / rate
     pcm = (8000 * np.sin(2 * np.pi * 220 * t) * (t < seconds / 2)).astype("<i2")
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
-        w.setframerate(24000)
+        w.setframerate(rate)
         w.writeframes(pcm.tobytes())
