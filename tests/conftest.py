@@ -1,4 +1,5 @@
-"""Shared fixtures: a real server process on a loopback port, and a native client."""
+"""Shared fixtures: a real server process on a loopback port, a native client, and the Docker
+images (built once per test run for every test file that asks for them)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests import docker_images
 
 #: The Python that runs the servers under test: this one, or (scripts/test-lowest.sh) a venv
 #: holding the lowest versions pyproject.toml admits, while the clients stay this venv's.
@@ -123,3 +126,62 @@ def personaplex_checkpoint(tmp_path_factory) -> Path:
     from tests.personaplex_checkpoint import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("personaplex"))
+
+
+# ------------------------------------------ the Docker images, built once per test run
+# Here, not in a test file, so that every file of the `docker` marker shares one build of
+# each image (tests/docker_images.py has the steps; each image is built only if asked for).
+
+@pytest.fixture(scope="session")
+def base(request) -> Iterator[docker_images.Base]:
+    """The base from Debian packages, made once per run (or DUPLEXSERVE_DOCKER_BASE)."""
+    docker_images.require_docker()
+    given = os.environ.get("DUPLEXSERVE_DOCKER_BASE")
+    made = docker_images.Base(given or f"duplexserve-ci:base-{docker_images.RUN}")
+    try:
+        if not given:
+            docker_images.build_timed(made.report, "base", made.name,
+                                      "scripts/docker-base.sh", "--tag", made.name)
+            docker_images.record(request, made.report, ["base"])
+        yield made
+    finally:
+        docker_images.remove_images([] if given else [made.name], docker_images.dangling())
+
+
+def _built(request, base: docker_images.Base, label: str, context: str, *build_args: str) -> Iterator[str]:
+    """docker build of image ``label`` on the base; removed at the end of the run, and with
+    it the untagged first stage that the legacy builder leaves of a multi-stage build."""
+    name = f"duplexserve-ci:{label}-{docker_images.RUN}"
+    dangling_before = docker_images.dangling()
+    built: list[str] = []
+    try:
+        docker_images.build_timed(base.report, label, name, "docker", "build", "--network", "host",
+                                  "--quiet", *build_args, "-t", name, context)
+        built.append(name)
+        docker_images.record(request, base.report, [label])
+        yield name
+    finally:
+        docker_images.remove_images(built, dangling_before)
+
+
+@pytest.fixture(scope="session")
+def cpu_image(request, base) -> Iterator[str]:
+    yield from _built(request, base, "cpu", ".", "-f", "docker/Dockerfile",
+                      "--build-arg", f"PYTHON_IMAGE={base.name}")
+
+
+@pytest.fixture(scope="session")
+def loadgen_image(request, base) -> Iterator[str]:
+    yield from _built(request, base, "loadgen", ".", "-f", "docker/Dockerfile",
+                      "--build-arg", f"PYTHON_IMAGE={base.name}", "--build-arg", "EXTRAS=loadgen")
+
+
+@pytest.fixture(scope="session")
+def nginx_image(request, base) -> Iterator[str]:
+    yield from _built(request, base, "nginx", "docker/nginx", "--build-arg", f"BASE_IMAGE={base.name}")
+
+
+@pytest.fixture(scope="session")
+def images(base, cpu_image, loadgen_image, nginx_image) -> docker_images.Images:
+    return docker_images.Images(base=base.name, cpu=cpu_image, loadgen=loadgen_image, nginx=nginx_image,
+                                report=base.report)

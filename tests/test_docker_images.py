@@ -13,7 +13,9 @@ from. Without them these tests skip, except under CI (``CI=true``), where they f
 missing install step must not pass as a skip. The GPU image alone also skips where Docker's
 disk has less than ``GPU_BUILD_GB`` free: that is the machine's size, not a missing step.
 
-The base is built once per test run (about a minute on an idle machine); ``DUPLEXSERVE_DOCKER_BASE=IMAGE``
+The base and each image are built once per test run (tests/conftest.py's fixtures, shared with
+tests/test_fleet_images.py; the steps in tests/docker_images.py), the base in about a minute on
+an idle machine; ``DUPLEXSERVE_DOCKER_BASE=IMAGE``
 uses an existing one instead, ``DUPLEXSERVE_DOCKER_KEEP=1`` keeps the images afterwards.
 The build times and image sizes are printed and written to build/docker-images.json.
 """
@@ -23,14 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import resource
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,200 +37,37 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.docker_images import (
+    BUILD_ENV,
+    DOCKER_DIR,
+    ROOT,
+    RUN,
+    Images,
+    Stopper,
+    build_timed,
+    compose_env,
+    dangling,
+    draining,
+    inspect,
+    published,
+    ready,
+    record,
+    remove_images,
+    require_room,
+    sessions,
+    sh,
+    wait_for,
+)
 from tests.native_client import converse, signal
 from tests.test_nginx import Live, refused_status
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCKER_DIR = ROOT / "docker"
-RUN = f"{os.getpid()}"
-# The legacy builder: it needs nothing from a registry (BuildKit would fetch its
-# Dockerfile frontend for a `# syntax=` line, and Debian's docker.io has no buildx).
-BUILD_ENV = {**os.environ, "DOCKER_BUILDKIT": "0"}
 CPU_GRACE_S = 30
 
 # The first test also waits for the builds (3.5 min idle, 10 under load): a generous limit.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 
-def sh(*args: str, timeout: float = 600, check: bool = True,
-       env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
-                         env=env, cwd=cwd, check=False)
-    if check and out.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-        )
-    return out
-
-
-def unusable() -> str | None:
-    """Why Docker cannot be used here, or None."""
-    for tool, package in (("docker", "docker.io"), ("docker-compose", "docker-compose")):
-        if shutil.which(tool) is None:
-            return f"{tool} not installed (Debian package {package})"
-    if not os.environ.get("DUPLEXSERVE_DOCKER_BASE") and shutil.which("mmdebstrap") is None:
-        return "mmdebstrap not installed (Debian package mmdebstrap)"
-    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                          capture_output=True, text=True, check=False)
-    if info.returncode != 0:
-        return f"no Docker engine (start dockerd, e.g. scripts/dockerd.sh): {info.stderr.strip()[-300:]}"
-    return None
-
-
-def require_docker() -> None:
-    reason = unusable()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"CI must build and run the images: {reason}")
-    pytest.skip(reason)
-
-
-@dataclass
-class Images:
-    base: str
-    cpu: str
-    loadgen: str
-    nginx: str
-    report: dict[str, dict[str, float]] = field(default_factory=dict)
-
-
-def image_mb(name: str) -> float:
-    return int(sh("docker", "image", "inspect", "--format", "{{.Size}}", name).stdout) / 1e6
-
-
-def dangling() -> set[str]:
-    return set(sh("docker", "images", "-q", "--filter", "dangling=true").stdout.split())
-
-
-def build_timed(report: dict[str, dict[str, float]], label: str, image: str, *command: str,
-                timeout: float = 900) -> None:
-    """Run a build command; its time and the image's size go into ``report``."""
-    start = time.monotonic()
-    sh(*command, env=BUILD_ENV, timeout=timeout)
-    report[label] = {"seconds": round(time.monotonic() - start, 1), "mb": round(image_mb(image))}
-
-
-def record(request, report: dict[str, dict[str, float]], labels: list[str]) -> None:
-    """Print the builds of ``labels`` and write every build so far to build/docker-images.json."""
-    summary = ", ".join(f"{k} {report[k]['mb']:.0f} MB in {report[k]['seconds']:.0f} s" for k in labels)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(f"\ndocker images built: {summary}")
-    (ROOT / "build").mkdir(exist_ok=True)
-    (ROOT / "build" / "docker-images.json").write_text(json.dumps(report, indent=1) + "\n")
-
-
-def remove_images(built: list[str], dangling_before: set[str]) -> None:
-    """Remove ``built`` and the untagged images that appeared since, unless told to keep them."""
-    if not os.environ.get("DUPLEXSERVE_DOCKER_KEEP") and built:
-        sh("docker", "image", "rm", "--force", *built, check=False)
-        if dangling() - dangling_before:
-            sh("docker", "image", "rm", *(dangling() - dangling_before), check=False)
-
-
-@dataclass
-class Base:
-    name: str
-    report: dict[str, dict[str, float]] = field(default_factory=dict)  # every build of the run
-
-
-@pytest.fixture(scope="session")
-def base() -> Iterator[Base]:
-    """The base from Debian packages, made once per run (or DUPLEXSERVE_DOCKER_BASE)."""
-    require_docker()
-    given = os.environ.get("DUPLEXSERVE_DOCKER_BASE")
-    made = Base(given or f"duplexserve-ci:base-{RUN}")
-    try:
-        if not given:
-            build_timed(made.report, "base", made.name, "scripts/docker-base.sh", "--tag", made.name)
-        yield made
-    finally:
-        remove_images([] if given else [made.name], dangling())
-
-
-@pytest.fixture(scope="session")
-def images(request, base) -> Iterator[Images]:
-    names = Images(
-        base=base.name, cpu=f"duplexserve-ci:cpu-{RUN}", loadgen=f"duplexserve-ci:loadgen-{RUN}",
-        nginx=f"duplexserve-ci:nginx-{RUN}", report=base.report,
-    )
-    built: list[str] = []
-    # The legacy builder leaves each multi-stage build's first stage as an untagged image:
-    # those that appear during this run go too.
-    dangling_before = dangling()
-
-    def timed(label: str, image: str, *command: str) -> None:
-        build_timed(names.report, label, image, *command)
-        built.append(image)
-
-    try:
-        build = ("docker", "build", "--network", "host", "--quiet")
-        timed("cpu", names.cpu, *build, "-f", "docker/Dockerfile",
-              "--build-arg", f"PYTHON_IMAGE={names.base}", "-t", names.cpu, ".")
-        timed("loadgen", names.loadgen, *build, "-f", "docker/Dockerfile",
-              "--build-arg", f"PYTHON_IMAGE={names.base}", "--build-arg", "EXTRAS=loadgen",
-              "-t", names.loadgen, ".")
-        timed("nginx", names.nginx, *build, "--build-arg", f"BASE_IMAGE={names.base}",
-              "-t", names.nginx, "docker/nginx")
-        record(request, names.report, list(names.report))
-        yield names
-    finally:
-        remove_images(built, dangling_before)
-
-
 # ------------------------------------------------------------------ helpers
-
-def wait_for(what: str, probe, timeout: float = 60.0, every: float = 0.2) -> Any:
-    """Call ``probe`` until it returns something true; that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.HTTPError, OSError):
-            value = probe()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
-
-
-def inspect(container: str, template: str) -> str:
-    return sh("docker", "inspect", "--format", template, container).stdout.strip()
-
-
-def published(container: str, port: int) -> str:
-    """host:port on 127.0.0.1 that ``port`` of ``container`` is published on."""
-    lines = sh("docker", "port", container, f"{port}/tcp").stdout.split()
-    return next(a for a in lines if a.startswith("127.0.0.1:"))
-
-
-def ready(http: str) -> httpx.Response:
-    return httpx.get(f"http://{http}/ready", timeout=5)
-
-
-def sessions(http: str) -> int:
-    return int(ready(http).json()["sessions"])
-
-
-def draining(http: str) -> bool:
-    r = ready(http)
-    return r.status_code == 503 and r.json()["draining"]
-
-
-class Stopper(threading.Thread):
-    """``docker stop`` (or any stop command) in the background, timed."""
-
-    def __init__(self, *command: str) -> None:
-        super().__init__(daemon=True)
-        self.command, self.result, self.seconds = command, None, 0.0
-
-    def run(self) -> None:
-        start = time.monotonic()
-        self.result = subprocess.run(list(self.command), capture_output=True, text=True, check=False)
-        self.seconds = time.monotonic() - start
-
 
 def frames_of(count: int, seed: int) -> list[bytes]:
     audio = signal(count, seed)
@@ -392,25 +228,10 @@ def stack(images, tmp_path_factory) -> Iterator[Stack]:
     results = tmp / "results"
     results.mkdir()
     results.chmod(0o777)  # loadgen writes as its own user, 10001
-    (tmp / "models").mkdir()
-    (tmp / "hf").mkdir()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXSERVE_", "COMPOSE_"))}
-    env = {
-        **clean,
-        "DUPLEXSERVE_IMAGE": images.cpu,
-        "DUPLEXSERVE_LOADGEN_IMAGE": images.loadgen,
-        "DUPLEXSERVE_NGINX_IMAGE": images.nginx,
-        "DUPLEXSERVE_MAX_SESSIONS": str(MAX_SESSIONS),
-        "DUPLEXSERVE_DRAIN_GRACE_S": "30",
-        "DUPLEXSERVE_PUBLISH_PORT": "127.0.0.1:",
-        "DUPLEXSERVE_PUBLISH_PORT_1": "127.0.0.1:",
-        "DUPLEXSERVE_LB_PORT": "127.0.0.1:",
-        "DUPLEXSERVE_WEIGHTS_DIR": str(tmp / "models"),
-        "HF_HOME": str(tmp / "hf"),  # mounted read-only; not this machine's cache
-        "DUPLEXSERVE_RESULTS_DIR": str(results),
-        # compose's 65536 open files, or this machine's hard limit where that is lower
-        "DUPLEXSERVE_NOFILE": str(min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])),
-    }
+    env = compose_env(
+        tmp, 2, IMAGE=images.cpu, LOADGEN_IMAGE=images.loadgen, NGINX_IMAGE=images.nginx,
+        MAX_SESSIONS=str(MAX_SESSIONS), DRAIN_GRACE_S="30", RESULTS_DIR=str(results),
+    )
     compose = ["docker-compose", "--project-name", f"duplexserve-ci-{RUN}",
                "-f", str(DOCKER_DIR / "compose.yaml"), "-f", str(DOCKER_DIR / "compose.cpu.yaml")]
     up = [*compose, "--profile", "scale"]
@@ -629,13 +450,7 @@ def assert_same_answer(got: Any, reference: Any) -> None:
 @pytest.fixture(scope="session")
 def gpu_image(base, request) -> Iterator[str]:
     """docker/Dockerfile.gpu on the same Debian base, its time and size in the report."""
-    root = sh("docker", "info", "--format", "{{.DockerRootDir}}").stdout.strip()
-    free_gb = shutil.disk_usage(root if os.path.isdir(root) else "/").free / 1e9
-    if free_gb < GPU_BUILD_GB:
-        # A machine without the room cannot build it at all (seen on a CI machine with 2 GB
-        # free): said in the report's skip line, with both figures, rather than failing the
-        # run on the build's "no space left on device".
-        pytest.skip(f"the GPU image needs about {GPU_BUILD_GB} GB free in {root}, {free_gb:.1f} GB are")
+    require_room(GPU_BUILD_GB, "the GPU image")
     name = f"duplexserve-ci:gpu-{RUN}"
     before = dangling()
     built: list[str] = []
