@@ -13,6 +13,7 @@ file again over the ASGI fallback (``DUPLEXSERVE_WS=websockets-sansio``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -41,6 +42,7 @@ class Flood:
         self.sock, self.blob, self.received = sock, blob, [rest]
         self.sent = 0
         self.started = self.ended = 0.0
+        self.dropped = False  # by the server, before ``stop``
         self._threads = (threading.Thread(target=self._send, daemon=True),
                          threading.Thread(target=self._read, daemon=True))  # fmt: skip
 
@@ -65,10 +67,15 @@ class Flood:
         except OSError:
             pass
 
-    def stop(self) -> None:
-        """Wait for the server to drop it (at most 15 s), then close our end."""
+    def stop(self, wait_s: float = 15.0) -> None:
+        """Wait for the server to drop it (at most ``wait_s``), then close our end."""
         for thread in self._threads:
-            thread.join(15)
+            thread.join(wait_s)
+        self.dropped = bool(self.ended)
+        with contextlib.suppress(OSError):  # not connected: the server closed it
+            self.sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join()
         self.sock.close()
 
     def close_code(self) -> int | None:
@@ -152,9 +159,9 @@ def over_budget(server: ServerProcess, budget: str) -> float:
     return server.metrics().get(f'duplexserve_connections_over_budget_total{{budget="{budget}"}}', 0.0)
 
 
-def assert_served_beside(server: ServerProcess, flood: Flood) -> None:
+def assert_served_beside(server: ServerProcess, flood: Flood, wait_s: float = 15.0) -> None:
     late, health = beside(server, flood)
-    flood.stop()
+    flood.stop(wait_s)
     assert health < MAX_HEALTH_S, f"/health took {health:.2f} s during the flood"
     assert late < MAX_LATE_S, f"an honest frame came back {late:.2f} s after it was sent"
 
@@ -213,6 +220,19 @@ def test_tiny_messages_from_an_authenticated_client_stall_nothing_and_are_cut(se
     assert flood.close_code() == 1008
     assert over_budget(server, "frames_per_s") == 1
     assert server.log().count("over its frames_per_s budget: closed 1008") == 1
+
+
+def test_a_flood_within_its_budgets_delays_others_by_slices_only(server_factory):
+    """With no budget at all (0: off) a flood of tiny messages goes on for as long as the
+    honest sessions stream: each wake-up parses one slice of it, so their frames and
+    /health are no later than with the budgets."""
+    off = ("--ws-max-frames-per-s", "0", "--ws-max-control-frames-per-s", "0", "--ws-max-bytes-per-s", "0")
+    server = server_factory("--api-keys", KEY, *off)
+    sock, rest = connect(server, f"/v1/duplex?token={KEY}")
+    flood = Flood(sock, rest, raw_ws.frame(0x81, b'{"type":"x"}') * 20_000)
+    assert_served_beside(server, flood, wait_s=0)
+    assert not flood.dropped, "the flood was cut: no budget was meant to act"
+    assert flood.sent > 5_000_000
 
 
 # ------------------------------------------------------------- never reading

@@ -170,4 +170,4 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
 
 def budgeted(cls: type[MeteredProtocol], limits: RateLimits) -> type[MeteredProtocol]:
     """``cls`` with ``limits`` (uvicorn builds each connection's protocol from the class)."""
-    return type(cls.__name__, (cls,), {"limits": limits})
+    return type(cls.__name__, (cls,), {"limits": limits, "__module__": cls.__module__})
