@@ -14,8 +14,8 @@ server/ws_fallback.py):
   burst of ``burst_s`` seconds of its rate. A connection past one is closed 1008 (its
   close frame says which budget), counted (``over_budget``) and logged once; one whose
   close frame was already sent (refused, or closing) is aborted at once: it is not read
-  on. Bytes are charged once per read; frames once per slice, so the cost per frame is
-  an integer add.
+  on. Bytes are charged once per read, frames once per slice (the cost per frame is an
+  integer add), and the clock is read only when a bucket runs short.
 """
 
 from __future__ import annotations
@@ -68,7 +68,11 @@ UNLIMITED = RateLimits(0.0, 0.0, 0.0)
 
 
 class Meter:
-    """Three token buckets, full at the start; a bucket below zero is a budget spent."""
+    """Three token buckets, full at the start; charges are subtracted as they come, and
+    only a bucket that runs below zero is refilled for the time since the last refill (no
+    clock read per read or per frame). A bucket that sat full meanwhile is credited for
+    that time too, so a connection may send up to twice its burst at once, never more than
+    its rate for longer."""
 
     __slots__ = ("_at", "_caps", "_rates", "bytes", "controls", "frames")
 
@@ -79,12 +83,18 @@ class Meter:
         self.frames, self.controls, self.bytes = self._caps
         self._at = now
 
-    def refill(self, now: float) -> None:
+    def refill(self, now: float) -> str | None:
+        """Credit the time since the last refill; the budget still spent, if one is."""
         elapsed, self._at = now - self._at, now
         (fr, cr, br), (fc, cc, bc) = self._rates, self._caps
         self.frames = min(fc, self.frames + elapsed * fr)
         self.controls = min(cc, self.controls + elapsed * cr)
         self.bytes = min(bc, self.bytes + elapsed * br)
+        if self.frames < 0:
+            return "frames_per_s"
+        if self.controls < 0:
+            return "control_frames_per_s"
+        return "bytes_per_s" if self.bytes < 0 else None
 
 
 class MeteredProtocol(WebSocketsSansIOProtocol):
@@ -105,22 +115,24 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
             self.transport.pause_reading()
             return False
         meter = self.meter
-        meter.refill(self.loop.time())
         meter.bytes -= size
-        if meter.bytes < 0:
-            self._over("bytes_per_s")
-            return False
-        return True
+        return meter.bytes >= 0 or self._short()
 
     def _spent(self, frames: int, controls: int) -> None:
         """Charge one slice's frames; a connection over budget is closed or dropped."""
         meter = self.meter
         meter.frames -= frames
         meter.controls -= controls
-        if meter.frames < 0:
-            self._over("frames_per_s")
-        elif meter.controls < 0:
-            self._over("control_frames_per_s")
+        if meter.frames < 0 or meter.controls < 0:
+            self._short()
+
+    def _short(self) -> bool:
+        """A bucket ran short: refill them; False (and closed or dropped) if still short."""
+        budget = self.meter.refill(self.loop.time())
+        if budget is None:
+            return True
+        self._over(budget)
+        return False
 
     def _over(self, budget: str) -> None:
         if self._dropping:
