@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import socket
 import threading
@@ -277,3 +278,32 @@ def test_a_client_that_reads_no_replies_is_closed_slow_consumer(server_factory):
         assert time.monotonic() < deadline, "not counted"
         time.sleep(0.1)
     assert server.log().count("closed slow_consumer") == 1
+
+
+# ---------------------------------------------------------- the slicer, alone
+def test_the_fallback_cuts_a_stream_after_whole_frames_and_counts_control_frames():
+    """ws_fallback.FrameCounter, which slices reads for uvicorn's protocol: fed the stream
+    in pieces of any size, it cuts only after whole frames (or, for a frame still coming,
+    after what came), never after more than it was allowed, and counts what it saw."""
+    import random
+
+    from duplexserve.server.ws_fallback import FrameCounter
+
+    rng = random.Random(5)
+    frames = [raw_ws.frame(rng.choice((0x81, 0x82, 0x89, 0x8A, 0x01, 0x80)), bytes(n))
+              for n in rng.choices((0, 1, 125, 126, 127, 65535, 65536, 70000), k=200)]  # fmt: skip
+    ends = set(itertools.accumulate(len(f) for f in frames))
+    stream = b"".join(frames)
+    counter, backlog, at, begun, controls = FrameCounter(), b"", 0, 0, 0
+    pieces = iter(lambda: stream[at : at + rng.randint(1, 100_000)], b"")
+    for piece in pieces:
+        at += len(piece)
+        backlog += piece
+        more = True
+        while more:
+            cut, n, c, more = counter.cut(backlog, 3, 1 << 18)
+            assert n <= 3
+            backlog, begun, controls = backlog[cut:], begun + n, controls + c
+            done = at - len(backlog)
+            assert done in ends or not backlog or done == at, "cut inside a frame with its rest here"
+    assert (begun, controls, backlog) == (len(frames), sum(f[0] & 0x08 != 0 for f in frames), b"")
