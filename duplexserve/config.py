@@ -234,6 +234,25 @@ class ServerConfig:
         256, "frames queued toward one client; a client that falls further behind is closed"
     )
     max_message_bytes: int = _opt(1 << 20, "largest WebSocket message accepted (1009 beyond)")
+    max_output_event_bytes: int = _opt(
+        4 << 20, "replies and other events queued toward one client that does not read, in bytes (each "
+        "counted as the message it answers plus 64); past it the client is closed slow_consumer"
+    )
+    ws_max_frames_per_s: int = _opt(
+        5000, "WebSocket frames (messages, fragments, control frames) one connection may send a second, "
+        "--ws-budget-burst-s ahead; past it the connection is closed 1008 (0: no limit)"
+    )
+    ws_max_control_frames_per_s: int = _opt(
+        50, "WebSocket control frames (ping, pong, close) one connection may send a second, "
+        "--ws-budget-burst-s ahead; past it the connection is closed 1008 (0: no limit)"
+    )
+    ws_max_bytes_per_s: int = _opt(
+        32 << 20, "bytes one WebSocket connection may send a second, --ws-budget-burst-s ahead; past "
+        "it the connection is closed 1008 (0: no limit)"
+    )
+    ws_budget_burst_s: float = _opt(
+        4.0, "how many seconds of its rate a WebSocket connection may send at once (the buckets' depth)"
+    )
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
     max_sessions_per_client: int = _opt(0, "sessions one client address may hold at once (0: no limit)")
@@ -397,6 +416,12 @@ class ServerConfig:
             raise ValueError("queue_size and inflight_frames must be at least 1")
         if self.max_pending_frames < 1 or self.max_output_frames < 1:
             raise ValueError("max_pending_frames and max_output_frames must be at least 1")
+        if self.max_output_event_bytes < 1:
+            raise ValueError("max_output_event_bytes must be at least 1")
+        if min(self.ws_max_frames_per_s, self.ws_max_control_frames_per_s, self.ws_max_bytes_per_s) < 0:
+            raise ValueError("the WebSocket budgets are rates: 0 (no limit) or more")
+        if self.ws_budget_burst_s <= 0:
+            raise ValueError("ws_budget_burst_s must be positive")
         if self.delay_frames < 0 or self.text_every < 0:
             raise ValueError("delay_frames and text_every cannot be negative")
         if self.engine == "vllm-omni" and not (self.vllm_omni_model or self.vllm_omni_standin):

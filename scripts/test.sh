@@ -21,4 +21,5 @@ cd "$(dirname "$0")/.."
 DUPLEXSERVE_WS=websockets-sansio .venv/bin/python -m pytest -q \
   tests/test_native_protocol.py tests/test_realtime_protocol.py tests/test_moshi_protocol.py \
   tests/test_twilio.py tests/test_twilio_bad_input.py tests/test_resume.py tests/test_reliability.py \
-  tests/test_formats_server.py tests/test_deadlines.py tests/test_fuzz.py tests/test_codec_batching.py
+  tests/test_formats_server.py tests/test_deadlines.py tests/test_fuzz.py tests/test_codec_batching.py \
+  tests/test_hostile_transport.py

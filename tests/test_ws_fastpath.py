@@ -114,8 +114,9 @@ def test_a_client_still_sending_after_a_protocol_error_reads_its_close_code(serv
 def test_pings_from_a_client_that_reads_nothing_do_not_pile_up(server_factory):
     """20 MB of pings, nothing read: past the transport's high-water mark the server keeps
     only the latest pong (RFC 6455 5.5.3) instead of buffering all of them; that one comes
-    once the client reads."""
-    server = server_factory()
+    once the client reads. (The frame budgets, off here, would close it long before:
+    tests/test_hostile_transport.py.)"""
+    server = server_factory("--ws-max-frames-per-s", "0", "--ws-max-control-frames-per-s", "0")
     sock, rest = raw_ws.connect(server.port)
     pings = 150_000
     pad = b"p" * 121
@@ -167,14 +168,20 @@ def test_the_fast_path_runs_where_the_libraries_have_what_it_reads(caplog, monke
     lowest versions pyproject admits too: scripts/test-lowest.sh); where one is missing the
     server serves on uvicorn's own protocol and says why, once."""
     from duplexserve.server import run as run_module
-    from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
+    from duplexserve.server.ws_fallback import SansIOFallback
+    from duplexserve.server.ws_protocol import FastWebSocketProtocol, fallback_problem, fast_path_problem
 
-    assert fast_path_problem() is None
-    assert run_module.websocket_protocol("fast") is FastWebSocketProtocol
-    assert run_module.websocket_protocol("websockets-sansio") == "websockets-sansio"
+    assert fast_path_problem() is None and fallback_problem() is None
+    assert issubclass(run_module.websocket_protocol("fast"), FastWebSocketProtocol)
+    assert issubclass(run_module.websocket_protocol("websockets-sansio"), SansIOFallback)
+    assert run_module.websocket_protocol("websockets-sansio", None) == "websockets-sansio"  # echo floors
     missing = "uvicorn 0.35.0, websockets 13.0 lack uvicorn close_timer"
     monkeypatch.setattr(run_module, "fast_path_problem", lambda: missing)
     with caplog.at_level("WARNING", logger="duplexserve"):
-        assert run_module.websocket_protocol("fast") == "websockets-sansio"
+        assert issubclass(run_module.websocket_protocol("fast"), SansIOFallback)
     (record,) = [r for r in caplog.records if "fast path off" in r.getMessage()]
     assert missing in record.getMessage() and "uvicorn>=0.53" in record.getMessage()
+    monkeypatch.setattr(run_module, "fallback_problem", lambda: missing)
+    with caplog.at_level("WARNING", logger="duplexserve"):
+        assert run_module.websocket_protocol("websockets-sansio") == "websockets-sansio"
+    assert any("without per-connection budgets" in r.getMessage() for r in caplog.records)

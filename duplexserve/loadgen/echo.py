@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=args.log_level.upper())
     config = ServerConfig(host=args.host, port=args.port, ws=args.ws, log_level=args.log_level)
-    uvicorn.Server(uvicorn_config(config, EchoApp(args.fault, args.fault_frame))).run()
+    uvicorn.Server(uvicorn_config(config, EchoApp(args.fault, args.fault_frame), budgets=False)).run()
 
 
 if __name__ == "__main__":

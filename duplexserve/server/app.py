@@ -68,6 +68,7 @@ class DuplexApp:
         limits = Limits(
             config.inflight_frames, config.max_pending_frames, config.max_output_frames,
             max(1, round(config.drain_max_s * 12.5)),  # frames of 80 ms
+            config.max_output_event_bytes,
         )  # fmt: skip
         self.orchestrator = Orchestrator(
             engine or build_engine(config),

@@ -225,10 +225,22 @@ class Connection(ABC):
                     self.orch.close(session, "disconnected", errors.GOING_AWAY)
                 self.orch.pump(session)
                 if session.closed_event is not None:
+                    if session.closed_event.reason == "slow_consumer":
+                        self._slow_consumer()
                     self.ended(session.closed_event)
             if session.timer is not None:
                 session.timer.flush()
             self._release(session)
+
+    def _slow_consumer(self) -> None:
+        """Count and say once that this client was closed for not reading what it was sent."""
+        over_budget("slow_consumer")
+        client = self.scope.get("client")
+        log.warning(
+            "%s session at %s closed slow_consumer: it read nothing while its answers or replies "
+            "passed --max-output-frames or --max-output-event-bytes",
+            self.protocol, f"{client[0]}:{client[1]}" if client else "?",
+        )  # fmt: skip
 
     def _release(self, session: Session) -> None:
         """Break the reference cycles between this connection, its socket and its session
@@ -461,6 +473,7 @@ class Connection(ABC):
         session = self.session
         assert session is not None
         session.last_activity = self._loop.time()
+        session.reply_cost = len(data)  # what a reply to it may echo (Session's bound on replies)
         try:
             if len(data) > self.config.max_message_bytes:
                 raise SessionError(
@@ -474,6 +487,7 @@ class Connection(ABC):
                 await self.on_binary(data)  # type: ignore[arg-type]
         except Exception as exc:
             self._receive_failed(session, exc)
+        session.reply_cost = 0
         self._received(session)
 
     def _received(self, session: Session) -> None:

@@ -19,7 +19,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from duplexserve.config import ServerConfig
 from duplexserve.server import log_redaction
 from duplexserve.server.app import DuplexApp, create_app
-from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
+from duplexserve.server.ws_budgets import DEFAULT_LIMITS, UNLIMITED, MeteredProtocol, RateLimits, budgeted
+from duplexserve.server.ws_fallback import SansIOFallback
+from duplexserve.server.ws_protocol import FastWebSocketProtocol, fallback_problem, fast_path_problem
 
 log = logging.getLogger("duplexserve")
 
@@ -112,30 +114,48 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def websocket_protocol(ws: str) -> str | type[FastWebSocketProtocol]:
+def websocket_protocol(ws: str, limits: RateLimits | None = DEFAULT_LIMITS) -> str | type[MeteredProtocol]:
     """``--ws fast`` where the installed uvicorn and websockets have what the fast path
-    reads (checked once, here); otherwise uvicorn's own sans-I/O protocol, said once."""
-    if ws != "fast":
+    reads (checked once, here), else uvicorn's own sans-I/O protocol, said once; that one,
+    ``--ws websockets-sansio``, with the same budgets and slices (server/ws_fallback.py)
+    where it has what they read, else as it comes, said too. ``limits`` None: uvicorn's
+    protocols as they come and no budget on the fast path (the benchmarks' echo floors)."""
+    if ws == "fast":
+        problem = fast_path_problem()
+        if problem is None:
+            return budgeted(FastWebSocketProtocol, limits or UNLIMITED)
+        log.warning(
+            "WebSocket fast path off, serving on uvicorn's websockets-sansio protocol: %s "
+            "(the fast path needs uvicorn>=0.53 and websockets>=13; docs/architecture.md)",
+            problem,
+        )
+        ws = "websockets-sansio"
+    if ws != "websockets-sansio" or limits is None:
         return ws
-    problem = fast_path_problem()
+    problem = fallback_problem()
     if problem is None:
-        return FastWebSocketProtocol
-    log.warning(
-        "WebSocket fast path off, serving on uvicorn's websockets-sansio protocol: %s "
-        "(the fast path needs uvicorn>=0.53 and websockets>=13; docs/architecture.md)",
-        problem,
-    )
-    return "websockets-sansio"
+        return budgeted(SansIOFallback, limits)
+    log.warning("uvicorn's websockets-sansio protocol served without per-connection budgets: %s", problem)
+    return ws
 
 
-def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
+def rate_limits(config: ServerConfig) -> RateLimits:
+    return RateLimits(
+        config.ws_max_frames_per_s, config.ws_max_control_frames_per_s, config.ws_max_bytes_per_s,
+        config.ws_budget_burst_s,
+    )  # fmt: skip
+
+
+def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> uvicorn.Config:
+    """uvicorn's settings for ``config``; ``budgets`` False: the WebSocket protocols with no
+    budget, uvicorn's as they come (the benchmarks' echo floors)."""
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         loop="uvloop",
         http=handshake_limited(config.handshake_timeout_s),
-        ws=websocket_protocol(config.ws),
+        ws=websocket_protocol(config.ws, rate_limits(config) if budgets else None),
         ws_per_message_deflate=False,
         # A hard backstop above our own limit, which answers with an error event first.
         ws_max_size=2 * config.max_message_bytes + 1024,

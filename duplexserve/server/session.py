@@ -43,6 +43,11 @@ class Limits:
     max_pending_frames: int = 64  # cut but not yet handed over; reading pauses past it
     max_output_frames: int = 256  # answered but not yet taken by the socket writer
     max_tail_frames: int = 125  # after input.end, a model finishing on its own: at most (10 s)
+    max_output_event_bytes: int = 4 << 20  # replies and errors not yet taken by the writer (estimated)
+
+
+#: What one queued reply or error is counted as beyond the message it answers.
+EVENT_BYTES = 64
 
 
 #: The tail's input: silence, one read-only frame shared by every session.
@@ -93,6 +98,11 @@ class Session:
         self._pending: collections.deque[np.ndarray] = collections.deque()
         self._out: collections.deque[Outgoing] = collections.deque()
         self._queued_frames = 0
+        #: The size of the client message being handled, set by the adapter around it: a
+        #: reply to it (a pong, an error) echoes at most that much of it.
+        self.reply_cost = 0
+        self._event_costs: collections.deque[int] = collections.deque()  # of queued Notice/ErrorOut
+        self._event_bytes = 0
 
     # ----------------------------------------------------------------- input side
     @property
@@ -251,15 +261,25 @@ class Session:
     def say(self, payload: object) -> None:
         """Queue a protocol-specific message in order with audio."""
         if not self.closed:
-            self._out.append(Notice(payload))
+            self._queue_event(Notice(payload))
 
     def error(self, exc: SessionError) -> None:
         """Report bad input; a fatal error also closes the session with its code."""
         if self.closed:
             return
-        self._out.append(ErrorOut(exc.code, exc.message, exc.fatal))
-        if exc.close_code is not None:
+        self._queue_event(ErrorOut(exc.code, exc.message, exc.fatal))
+        if exc.close_code is not None and not self.closed:
             self.close(exc.code, exc.close_code)
+
+    def _queue_event(self, item: Notice | ErrorOut) -> None:
+        """Replies are bounded like audio: a client that sends what gets a reply and reads
+        nothing would otherwise grow them without end (as audio, ``slow_consumer``)."""
+        cost = self.reply_cost + EVENT_BYTES
+        self._out.append(item)
+        self._event_costs.append(cost)
+        self._event_bytes += cost
+        if self._event_bytes > self.limits.max_output_event_bytes:
+            self.close("slow_consumer", errors.POLICY)
 
     def close(self, reason: str, close_code: int) -> None:
         """End now. Frames not answered by this point are counted as dropped."""
@@ -280,8 +300,11 @@ class Session:
         if not self._out:
             return None
         item = self._out.popleft()
-        if item.__class__ is AudioOut:
+        cls = item.__class__
+        if cls is AudioOut:
             self._queued_frames -= 1
+        elif cls is Notice or cls is ErrorOut:
+            self._event_bytes -= self._event_costs.popleft()
         return item
 
     @property

@@ -90,35 +90,36 @@ class FrameReader:
         #: such limit; websockets' ``max_size`` still closes 1009 past ``max_size``).
         self.refuse_over: int | None = None
         self._buf: bytes = b""
-        self._pos = 0
+        #: Where the next frame starts in the buffer; it only grows between two feeds.
+        self.pos = 0
         self._skip = 0  # bytes of a refused frame still to come, dropped as they arrive
+        #: Control frames handed out since the owner last reset this (its budget counts them).
+        self.controls = 0
 
     @property
     def buffered(self) -> int:
         """Bytes received and not yet parsed (at most one partial frame, or more while held)."""
-        return len(self._buf) - self._pos
+        return len(self._buf) - self.pos
 
     def feed(self, data: bytes) -> None:
         if self._skip:
             drop = min(self._skip, len(data))
             self._skip -= drop
             data = data[drop:]
-        if self._pos < len(self._buf):  # a partial frame waits: the only copy, of that part
-            self._buf = self._buf[self._pos :] + data
+        if self.pos < len(self._buf):  # a partial frame waits: the only copy, of that part
+            self._buf = self._buf[self.pos :] + data
         else:
             self._buf = data
-        self._pos = 0
+        self.pos = 0
 
     def next(self) -> tuple[bytes, bool] | Oversized | object | None:
         """One message ``(payload, is_text)``, an :class:`Oversized`, :data:`HANDED`, or None
-        until more bytes come."""
-        buf, pos = self._buf, self._pos
+        until more bytes come. Frames go to websockets one at a time also while the
+        connection closes, so that its owner can stop after any of them (server/ws_budgets.py)."""
+        buf, pos = self._buf, self.pos
         avail = len(buf) - pos
         if avail < 2:
             return None
-        conn = self.conn
-        if conn.state is not OPEN:  # closing: the library takes every byte from here on
-            return self._hand(avail)
         first, second = buf[pos], buf[pos + 1]
         length = second & 0x7F
         head = 2
@@ -134,15 +135,17 @@ class FrameReader:
             head = 10
         if not second & 0x80:
             return self._hand(avail)  # refused from the header: unmasked (1002)
+        conn = self.conn
         common = (
             first in (FIN_BINARY, FIN_TEXT)
+            and conn.state is OPEN  # closing: the library takes every frame from here on
             and getattr(conn, FRAGMENT_SIZE) is None  # type: ignore[arg-type]  # not inside a fragment
             and not conn.extensions
         )
         refuse_over = self.refuse_over
         if common and refuse_over is not None and length > refuse_over:
             drop = min(avail - head, 4 + length)  # the mask and the payload, as far as here
-            self._pos = pos + head + drop
+            self.pos = pos + head + drop
             self._skip = 4 + length - drop
             return Oversized(length)
         if length > self.max_size:
@@ -152,15 +155,17 @@ class FrameReader:
             return None
         if common:
             start = pos + head + 4
-            self._pos = pos + end
+            self.pos = pos + end
             payload = apply_mask(memoryview(buf)[start : pos + end], buf[start - 4 : start])
             return payload, first == FIN_TEXT
+        if first & 0x08:
+            self.controls += 1
         return self._hand(end)
 
     def _hand(self, size: int) -> object:
         """Give the next ``size`` bytes (one whole frame, or what a refused header came in) to
         websockets; its events and any error are the caller's to read."""
-        pos = self._pos
-        self._pos = pos + size
+        pos = self.pos
+        self.pos = pos + size
         self.conn.receive_data(self._buf[pos : pos + size])
         return HANDED

@@ -15,7 +15,8 @@ then on
 - ``on_lost`` is called once when the connection is gone.
 
 Frames are read by :class:`duplexserve.server.ws_frames.FrameReader` (the common data
-frame here, everything else by websockets). The subclass reads internals of both
+frame here, everything else by websockets), in slices and within the connection's budgets
+(:class:`duplexserve.server.ws_budgets.MeteredProtocol`). The subclass reads internals of both
 libraries (the attributes and methods listed below); :func:`fast_path_problem` checks
 once at start-up that the installed versions have them, and the server falls back to
 uvicorn's own ``websockets-sansio`` protocol when they do not. An app that does not
@@ -35,6 +36,14 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from uvicorn.server import ServerState
 from websockets.server import ServerProtocol
 
+from duplexserve.server.ws_budgets import (
+    METERED_METHODS,
+    METERED_STATE,
+    METERED_WEBSOCKETS_METHODS,
+    SLICE_BYTES,
+    SLICE_FRAMES,
+    MeteredProtocol,
+)
 from duplexserve.server.ws_frames import (
     FIN_BINARY,
     FIN_TEXT,
@@ -60,14 +69,13 @@ def _ignore(*_: Any) -> None:
 
 
 #: What the subclass reads of uvicorn's ``WebSocketsSansIOProtocol`` beyond the asyncio
-#: protocol interface: instance state set in ``__init__``, and the methods it overrides or calls.
+#: protocol interface and what its base reads (``ws_budgets.METERED_*``): instance state
+#: set in ``__init__``, and the methods it overrides or calls.
 UVICORN_STATE = (
-    "config", "loop", "queue", "conn", "handshake_initiated", "handshake_complete", "close_sent",
-    "disconnected", "close_timer", "close_timeout", "read_paused", "writable", "frames",
-    "curr_msg_data_type",
+    *METERED_STATE, "config", "disconnected", "close_timeout", "writable", "frames", "curr_msg_data_type",
 )  # fmt: skip
 UVICORN_METHODS = (
-    "handle_connect", "handle_events", "handle_parser_exception", "handle_ping",
+    *METERED_METHODS, "handle_connect", "handle_events", "handle_parser_exception", "handle_ping",
     "send_receive_event_to_app", "resume_writing", "connection_lost", "send",
 )  # fmt: skip
 #: And of websockets' sans-I/O ``ServerProtocol`` (besides ``current_size``/``cur_size``).
@@ -82,29 +90,44 @@ async def _no_app(scope: Any, receive: Any, send: Any) -> None:
 def fast_path_problem() -> str | None:
     """What the installed uvicorn or websockets lacks of the internals this module reads,
     or None when the fast path can run. Checked once at start-up, on fresh instances."""
-    versions = f"uvicorn {uvicorn.__version__}, websockets {websockets.__version__}"
     if FRAGMENT_SIZE is None:
-        return f"websockets' ServerProtocol has no current_size or cur_size ({versions})"
+        return f"websockets' ServerProtocol has no current_size or cur_size ({_versions()})"
+    return _lacking(UVICORN_STATE, UVICORN_METHODS, WEBSOCKETS_STATE, WEBSOCKETS_METHODS)
+
+
+def fallback_problem() -> str | None:
+    """The same for :class:`~duplexserve.server.ws_fallback.SansIOFallback`, which reads less."""
+    return _lacking(METERED_STATE, METERED_METHODS, (), METERED_WEBSOCKETS_METHODS)
+
+
+def _versions() -> str:
+    return f"uvicorn {uvicorn.__version__}, websockets {websockets.__version__}"
+
+
+def _lacking(
+    uvicorn_state: tuple[str, ...], uvicorn_methods: tuple[str, ...],
+    websockets_state: tuple[str, ...], websockets_methods: tuple[str, ...],
+) -> str | None:  # fmt: skip
     conn = ServerProtocol()
-    missing = [f"websockets ServerProtocol.{n}" for n in WEBSOCKETS_STATE if not hasattr(conn, n)]
-    missing += [f"websockets ServerProtocol.{n}()" for n in WEBSOCKETS_METHODS if not hasattr(conn, n)]
+    missing = [f"websockets ServerProtocol.{n}" for n in websockets_state if not hasattr(conn, n)]
+    missing += [f"websockets ServerProtocol.{n}()" for n in websockets_methods if not hasattr(conn, n)]
     loop = asyncio.new_event_loop()
     try:
         config = uvicorn.Config(_no_app, ws="websockets-sansio")
         config.load()
         proto = WebSocketsSansIOProtocol(config, ServerState(), {}, _loop=loop)
     except Exception as exc:  # a constructor of another shape
-        return f"uvicorn's WebSocketsSansIOProtocol could not be built ({exc!r}; {versions})"
+        return f"uvicorn's WebSocketsSansIOProtocol could not be built ({exc!r}; {_versions()})"
     finally:
         loop.close()
-    missing += [f"uvicorn {n}" for n in UVICORN_STATE if not hasattr(proto, n)]
-    missing += [f"uvicorn {n}()" for n in UVICORN_METHODS if not callable(getattr(proto, n, None))]
+    missing += [f"uvicorn {n}" for n in uvicorn_state if not hasattr(proto, n)]
+    missing += [f"uvicorn {n}()" for n in uvicorn_methods if not callable(getattr(proto, n, None))]
     if missing:
-        return f"{versions} lack{'s' if len(missing) == 1 else ''} {', '.join(missing)}"
+        return f"{_versions()} lack{'s' if len(missing) == 1 else ''} {', '.join(missing)}"
     return None
 
 
-class FastWebSocketProtocol(WebSocketsSansIOProtocol):
+class FastWebSocketProtocol(MeteredProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reader = FrameReader(self.conn, self.config.ws_max_size)
@@ -142,7 +165,8 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
                 lost = True
         if self.read_paused and not self._held:  # uvicorn's pause per message: ours from here on
             self.read_paused = False
-            self.transport.resume_reading()
+            if not self._yielding:
+                self.transport.resume_reading()
         if lost or self.disconnected:
             self.connection_gone()
 
@@ -204,8 +228,8 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         self._held = False
         if self.reader.buffered:  # frames that came while held go first
-            self.loop.call_soon(self._parse_then_read)
-        else:
+            self._slice_cut()
+        elif not self._yielding:
             self.transport.resume_reading()
 
     # ------------------------------------------------------------ transport events
@@ -213,29 +237,42 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.handshake_initiated:  # the upgrade request, replayed by uvicorn
             super().data_received(data)
             return
+        if not self._arrived(len(data)) or self._failed:  # the library would drop it all
+            return
         self.reader.feed(data)
         if not self.handshake_complete:  # frames before our 101: held until the accept
             if not self.read_paused:
                 self.read_paused = True
                 self.transport.pause_reading()
             return
+        if self._yielding:  # reading resumed (uvicorn's receive, a close) while a slice waits
+            self.transport.pause_reading()
+            return
         self._parse()
 
-    def _parse_then_read(self) -> None:
+    def _next_slice(self) -> None:
+        self._yielding = False
         self._parse()
-        if not self._held and not self.read_paused:
+        if not (self._held or self._yielding or self.read_paused or self.transport.is_closing()):
             self.transport.resume_reading()
 
     def _parse(self) -> None:
-        if self._parsing:  # a callback resumed reading: the loop below goes on
+        """Parse and deliver what was read, one slice (``SLICE_FRAMES`` frames, about
+        ``SLICE_BYTES``) at most: the rest waits for :meth:`_next_slice`."""
+        if self._parsing or self._dropping:  # a callback resumed reading: the loop below goes on
             return
         self._parsing = True
         reader, conn, transport = self.reader, self.conn, self.transport
+        frames, start = SLICE_FRAMES, reader.pos
         try:
             while not self._held and not transport.is_closing():
+                if not frames or reader.pos - start > SLICE_BYTES:
+                    self._slice_cut()
+                    return
                 item = reader.next()
                 if item is None:
                     return
+                frames -= 1
                 if item is HANDED:
                     if conn.parser_exc is not None:
                         self.handle_parser_exception()
@@ -253,6 +290,8 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
                     self.send_receive_event_to_app()
         finally:
             self._parsing = False
+            controls, reader.controls = reader.controls, 0
+            self._spent(SLICE_FRAMES - frames, controls)
 
     def send_receive_event_to_app(self) -> None:
         if self._on_message is None:
@@ -322,6 +361,9 @@ class FastWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        self.connection_gone()
+
+    def _app_gone(self) -> None:
         self.connection_gone()
 
     def connection_gone(self) -> None:

@@ -1,0 +1,185 @@
+"""What one WebSocket connection may cost the loop, enforced where its bytes arrive.
+
+Every session shares one event loop thread, so a connection that sends faster than any
+client needs (pings, tiny messages, bytes) must neither hold the loop nor take more than
+its share of it. Two things bound it, in :class:`MeteredProtocol`, the base of both our
+uvicorn protocols (the fast path, server/ws_protocol.py, and the ASGI fallback,
+server/ws_fallback.py):
+
+- a slice: one wake-up parses at most :data:`SLICE_FRAMES` frames or about
+  :data:`SLICE_BYTES` bytes; the rest waits, reading paused, for a ``call_soon`` turn,
+  after every other socket's (a flood delays another connection's frame by one slice,
+  about a millisecond, instead of the whole read);
+- token buckets (:class:`Meter`): frames, control frames and bytes a second, each with a
+  burst of ``burst_s`` seconds of its rate. A connection past one is closed 1008 (its
+  close frame says which budget), counted (``over_budget``) and logged once; one whose
+  close frame was already sent (refused, or closing) is aborted at once: it is not read
+  on. Bytes are charged once per read, frames once per slice (the cost per frame is an
+  integer add), and the clock is read only when a bucket runs short.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from duplexserve.errors import POLICY
+from duplexserve.server.budgets import over_budget
+
+log = logging.getLogger("duplexserve")
+
+#: One wake-up parses at most this many frames of a connection ...
+SLICE_FRAMES = 64
+#: ... or about this many bytes (a frame is not cut: one frame may be larger).
+SLICE_BYTES = 1 << 18
+#: A connection closed for a budget: how long it has to read its close frame (reading
+#: paused: what it still sends is never read) before the transport closes.
+DROP_LINGER_S = 2.0
+
+
+#: What :class:`MeteredProtocol` reads of uvicorn's ``WebSocketsSansIOProtocol`` (state set in
+#: its ``__init__``, methods it overrides or calls) and of websockets' ``ServerProtocol``;
+#: checked once at start-up (ws_protocol.py).
+METERED_STATE = (
+    "loop", "queue", "conn", "client", "handshake_initiated", "handshake_complete", "close_sent",
+    "close_timer", "read_paused",
+)  # fmt: skip
+METERED_METHODS = ("data_received", "receive")
+METERED_WEBSOCKETS_METHODS = ("send_close", "data_to_send")
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimits:
+    """Rates a connection may keep up, each allowed ``burst_s`` seconds ahead; 0: no limit."""
+
+    frames_per_s: float = 5000.0
+    control_frames_per_s: float = 50.0
+    bytes_per_s: float = float(32 << 20)
+    burst_s: float = 4.0
+
+
+DEFAULT_LIMITS = RateLimits()
+#: No budget (the slices still apply): the fast path of the benchmarks' echo floors.
+UNLIMITED = RateLimits(0.0, 0.0, 0.0)
+
+
+class Meter:
+    """Three token buckets, full at the start; charges are subtracted as they come, and
+    only a bucket that runs below zero is refilled for the time since the last refill (no
+    clock read per read or per frame). A bucket that sat full meanwhile is credited for
+    that time too, so a connection may send up to twice its burst at once, never more than
+    its rate for longer."""
+
+    __slots__ = ("_at", "_caps", "_rates", "bytes", "controls", "frames")
+
+    def __init__(self, limits: RateLimits, now: float) -> None:
+        rates = (limits.frames_per_s, limits.control_frames_per_s, limits.bytes_per_s)
+        self._rates = tuple(r if r > 0 else 0.0 for r in rates)
+        self._caps = tuple(r * limits.burst_s if r > 0 else math.inf for r in rates)
+        self.frames, self.controls, self.bytes = self._caps
+        self._at = now
+
+    def refill(self, now: float) -> str | None:
+        """Credit the time since the last refill; the budget still spent, if one is."""
+        elapsed, self._at = now - self._at, now
+        (fr, cr, br), (fc, cc, bc) = self._rates, self._caps
+        self.frames = min(fc, self.frames + elapsed * fr)
+        self.controls = min(cc, self.controls + elapsed * cr)
+        self.bytes = min(bc, self.bytes + elapsed * br)
+        if self.frames < 0:
+            return "frames_per_s"
+        if self.controls < 0:
+            return "control_frames_per_s"
+        return "bytes_per_s" if self.bytes < 0 else None
+
+
+class MeteredProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O protocol with :class:`Meter` budgets and slice bookkeeping; the
+    subclasses call :meth:`_arrived` for each read and :meth:`_spent` after each slice."""
+
+    limits = RateLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.meter = Meter(self.limits, self.loop.time())
+        self._yielding = False  # a slice's continuation is scheduled; reading paused meanwhile
+        self._dropping = False  # over a budget: nothing more is read or parsed
+
+    def _arrived(self, size: int) -> bool:
+        """Charge one read of ``size`` bytes; False: drop it (over a budget, now or before)."""
+        if self._dropping:  # reading resumed by someone: stop it again, drop this
+            self.transport.pause_reading()
+            return False
+        meter = self.meter
+        meter.bytes -= size
+        return meter.bytes >= 0 or self._short()
+
+    def _spent(self, frames: int, controls: int) -> None:
+        """Charge one slice's frames; a connection over budget is closed or dropped."""
+        meter = self.meter
+        meter.frames -= frames
+        meter.controls -= controls
+        if meter.frames < 0 or meter.controls < 0:
+            self._short()
+
+    def _short(self) -> bool:
+        """A bucket ran short: refill them; False (and closed or dropped) if still short."""
+        budget = self.meter.refill(self.loop.time())
+        if budget is None:
+            return True
+        self._over(budget)
+        return False
+
+    def _over(self, budget: str) -> None:
+        if self._dropping:
+            return
+        self._dropping = True
+        over_budget(budget)
+        transport = self.transport
+        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+        if self.close_sent or not self.handshake_complete or transport.is_closing():
+            log.warning("WebSocket %s over its %s budget after its close: dropped", peer, budget)
+            transport.abort()
+            return
+        log.warning("WebSocket %s over its %s budget: closed 1008", peer, budget)
+        reason = f"over budget: {budget}"
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": POLICY, "reason": reason})
+        self.conn.send_close(POLICY, reason)
+        transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        self.close_timer = self.loop.call_later(DROP_LINGER_S, transport.close)
+        transport.pause_reading()  # what it still sends costs nothing, and is never read
+        self._app_gone()
+
+    def _app_gone(self) -> None:
+        """The connection was closed for a budget: tell the app that is not reading uvicorn's
+        queue (the fast path's callbacks)."""
+
+    def _slice_cut(self) -> None:
+        """Stop here for this wake-up: reading pauses, and :meth:`_next_slice` runs after
+        every other ready callback and socket of this turn of the loop."""
+        if not self._yielding:
+            self._yielding = True
+            self.transport.pause_reading()
+            self.loop.call_soon(self._next_slice)
+
+    def _next_slice(self) -> None:
+        raise NotImplementedError
+
+    async def receive(self) -> Any:
+        """uvicorn's, except that reading resumes only once no slice waits for its turn."""
+        message = await self.queue.get()
+        if self.read_paused and self.queue.empty():
+            self.read_paused = False
+            if not self._yielding and not self._dropping:
+                self.transport.resume_reading()
+        return message
+
+
+def budgeted(cls: type[MeteredProtocol], limits: RateLimits) -> type[MeteredProtocol]:
+    """``cls`` with ``limits`` (uvicorn builds each connection's protocol from the class)."""
+    return type(cls.__name__, (cls,), {"limits": limits, "__module__": cls.__module__})
