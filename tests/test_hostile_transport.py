@@ -221,6 +221,11 @@ def test_tiny_messages_from_an_authenticated_client_stall_nothing_and_are_cut(se
     assert flood.close_code() == 1008
     assert over_budget(server, "frames_per_s") == 1
     assert server.log().count("over its frames_per_s budget: closed 1008") == 1
+    # Its session ended with it: not kept for a resume (on /v1/duplex), no slot held.
+    deadline = time.monotonic() + 5
+    while (active := server.metrics()["duplexserve_sessions_active"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert active == 0 and server.metrics()["duplexserve_sessions_detached"] == 0
 
 
 def test_a_flood_within_its_budgets_delays_others_by_slices_only(server_factory):

@@ -51,6 +51,7 @@ from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.session import Session, no_notify
 from duplexserve.server.turnaround import FLUSH_FRAMES
+from duplexserve.server.ws_budgets import OVER_BUDGET
 from duplexserve.server.ws_frames import Oversized
 from duplexserve.server.ws_protocol import EXTENSION, FastWebSocketProtocol
 
@@ -139,6 +140,7 @@ class Connection(ABC):
         self._encoding: AudioOut | None = None  # the answer a codec worker is encoding
         self._encoder_lost = False  # its codec worker died: audio is skipped, the close goes out
         self._close_sent = False
+        self._over_budget: str | None = None  # the ASGI path: the budget the transport closed for
 
     # ------------------------------------------------------------- adapter hooks
     @abstractmethod
@@ -263,10 +265,10 @@ class Connection(ABC):
         if self.replaced:
             await self._say_replaced()
         elif reader in done:  # the client went away: nobody is left to write to
-            if not session.closed and self.lost(session):
+            if not session.closed and self._client_gone(session):
                 return  # detached: the writer goes, the session stays for a resume
             await asyncio.wait((writer,), timeout=1.0)
-        elif not session.closed and self.lost(session):  # the socket broke under the writer
+        elif not session.closed and self._client_gone(session):  # the socket broke under the writer
             return
         else:  # the close was sent (or the socket broke): wait for the client's reply
             await asyncio.wait((reader,), timeout=CLOSE_GRACE_S)
@@ -284,7 +286,18 @@ class Connection(ABC):
         elif how == "closed":  # wait for the client's reply (uvicorn's close timer bounds it)
             await asyncio.wait((self._gone,), timeout=CLOSE_GRACE_S)
         elif how != "aborted" and not session.closed:
-            self.lost(session)  # detached for a resume, or closed
+            self._client_gone(session)  # detached for a resume, or closed
+
+    def _client_gone(self, session: Session) -> bool:
+        """The connection ended under an open session: ``lost`` (a resume may follow), unless
+        the transport closed it for going over a budget (ws_budgets.py): then the session ends
+        ``over_budget`` and its token with it; the client read the budget in the close frame."""
+        sock = self._sock
+        budget = self._over_budget or (sock.over if sock is not None else None)
+        if budget is None:
+            return self.lost(session)
+        self.orch.close(session, "over_budget", errors.POLICY)
+        return False
 
     def lost(self, session: Session) -> bool:
         """The connection ended under an open session; True: it was detached for a resume.
@@ -532,8 +545,11 @@ class Connection(ABC):
                 await self._reader_wait
                 self._reader_wait = None
             message = await receive()
-            if message["type"] != "websocket.receive":
-                return  # websocket.disconnect
+            if message["type"] != "websocket.receive":  # websocket.disconnect
+                reason = message.get("reason") or ""
+                if reason.startswith(OVER_BUDGET):
+                    self._over_budget = reason[len(OVER_BUDGET):]
+                return
             data = message.get("bytes")
             await self._receive_one(data if data is not None else message.get("text") or "")
 

@@ -36,6 +36,8 @@ log = logging.getLogger("duplexserve")
 SLICE_FRAMES = 64
 #: ... or about this many bytes (a frame is not cut: one frame may be larger).
 SLICE_BYTES = 1 << 18
+#: The close frame's reason for a connection closed for a budget: this prefix, then the budget.
+OVER_BUDGET = "over budget: "
 #: A connection closed for a budget: how long it has to read its close frame (reading
 #: paused: what it still sends is never read) before the transport closes.
 DROP_LINGER_S = 2.0
@@ -108,6 +110,8 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         self.meter = Meter(self.limits, self.loop.time())
         self._yielding = False  # a slice's continuation is scheduled; reading paused meanwhile
         self._dropping = False  # over a budget: nothing more is read or parsed
+        #: The budget this connection went over (its session ends, not resumable), or None.
+        self.over: str | None = None
 
     def _arrived(self, size: int) -> bool:
         """Charge one read of ``size`` bytes; False: drop it (over a budget, now or before)."""
@@ -138,6 +142,7 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         if self._dropping:
             return
         self._dropping = True
+        self.over = budget
         over_budget(budget)
         transport = self.transport
         peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
@@ -146,7 +151,7 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
             transport.abort()
             return
         log.warning("WebSocket %s over its %s budget: closed 1008", peer, budget)
-        reason = f"over budget: {budget}"
+        reason = OVER_BUDGET + budget
         self.queue.put_nowait({"type": "websocket.disconnect", "code": POLICY, "reason": reason})
         self.conn.send_close(POLICY, reason)
         transport.write(b"".join(self.conn.data_to_send()))
