@@ -17,7 +17,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from duplexserve.config import ServerConfig
+from duplexserve.config import ServerConfig, trusted_proxies
 from duplexserve.server.app import DuplexApp, create_app
 from duplexserve.server.ws_protocol import FastWebSocketProtocol, fast_path_problem
 
@@ -136,6 +136,10 @@ def websocket_protocol(ws: str) -> str | type[FastWebSocketProtocol]:
 
 
 def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
+    # X-Forwarded-For from the proxies of --forwarded-allow-ips only, never uvicorn's own default
+    # (loopback) nor its FORWARDED_ALLOW_IPS: its middleware rewrites the scope's client, which is
+    # the address the per-client limit counts (HTTP and WebSocket alike).
+    proxies = trusted_proxies(config.forwarded_allow_ips)
     return uvicorn.Config(
         app,
         host=config.host,
@@ -149,6 +153,8 @@ def uvicorn_config(config: ServerConfig, app: object) -> uvicorn.Config:
         lifespan="on",
         log_level=config.log_level,
         access_log=False,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
         backlog=4096,
         timeout_graceful_shutdown=5,
     )
