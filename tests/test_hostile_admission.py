@@ -317,9 +317,10 @@ async def prompt_attack(server: ServerProcess, kind: str) -> tuple[str, int | No
             server.ws("/v1/duplex", f"token={PP_KEY}"),
             {"type": "session.update", "text_prompt": BIG},
         )
-    else:
+    else:  # Realtime; "surrogate": JSON's "\ud800", which the tokenizer raised on (engine_error, 1011)
         url = server.ws("/v1/realtime", f"token={PP_KEY}")
-        first = {"type": "session.update", "session": {"type": "realtime", "instructions": BIG}}
+        text = "hello \ud800 duplex" if kind == "surrogate" else BIG
+        first = {"type": "session.update", "session": {"type": "realtime", "instructions": text}}
     code = None
     async with connect(url, max_size=None) as ws:
         if first is not None:
@@ -336,7 +337,8 @@ def test_a_megabyte_prompt_is_refused_on_the_loop_and_live_sessions_stay_on_time
     personaplex_checkpoint, tmp_path
 ):
     """The finding: a 1 MiB text prompt was tokenized and built on the engine thread before its
-    length was checked, 0.6 s of engine time each; eight made live sessions up to 5.3 s late."""
+    length was checked, 0.6 s of engine time each; eight made live sessions up to 5.3 s late.
+    And a prompt that is not Unicode (a lone surrogate) made the tokenizer raise: engine_error."""
     pytest.importorskip("moshi")
     from tests.test_personas import serve_personaplex
 
@@ -351,7 +353,7 @@ def test_a_megabyte_prompt_is_refused_on_the_loop_and_live_sessions_stay_on_time
             started = asyncio.Event()
             honest = asyncio.create_task(paced_persona(server, frames, started))
             await started.wait()
-            kinds = ["native-update"] * 5 + ["realtime"] * 3  # (a query's prompt: 8 KiB, the URL's most)
+            kinds = ["native-update"] * 5 + ["realtime"] * 3 + ["surrogate"]  # (a query: 8 KiB at most)
             refusals = await asyncio.gather(*(prompt_attack(server, k) for k in kinds))
             return await honest, list(refusals)
 
@@ -359,9 +361,10 @@ def test_a_megabyte_prompt_is_refused_on_the_loop_and_live_sessions_stay_on_time
         refused_on_loop = over_budget(server, "prompt_bytes")
     finally:
         server.stop()
-    assert [code for code, _ in refusals] == ["invalid_prompt"] * 8
+    assert [code for code, _ in refusals] == ["invalid_prompt"] * 9
     assert all(close == 1007 for _, close in refusals)
     assert refused_on_loop == 8  # each refused on the loop, none by the engine
+    assert "Traceback" not in server.log()
     assert alone["closed"]["reason"] == beside["closed"]["reason"] == "completed"
     assert beside["audio"] == alone["audio"] and beside["errors"] == []  # the same answer, frame for frame
     assert beside["closed"]["late_frames"] == 0  # none over 1.5 s, where the engine's 0.6 s stalls added up

@@ -241,9 +241,8 @@ class Orchestrator:
         if voice and voice not in engine.voices:
             name = voice[:64]  # echoed back, not a megabyte of it
             return "voice_not_found", f"voice_prompt {name!r}: not one of this server's (GET /v1/voices)"
-        refused = self._oversized(params.get("text_prompt") or "")
+        refused = self._untokenizable(params.get("text_prompt") or "")
         if refused is not None:  # before the engine thread tokenizes it (a 1 MiB one took 0.6 s there)
-            over_budget("prompt_bytes")
             return refused
         assert self._loop is not None
         done: asyncio.Future[tuple[str, str] | None] = self._loop.create_future()
@@ -257,14 +256,16 @@ class Orchestrator:
             if self._prompts.get(session.slot) is done:
                 del self._prompts[session.slot]
 
-    def _oversized(self, text: str) -> tuple[str, str] | None:
-        """Why the text prompt ``text`` cannot reach the engine (``invalid_prompt``), or None."""
+    def _untokenizable(self, text: str) -> tuple[str, str] | None:
+        """Why the text prompt ``text`` may not reach the engine (``invalid_prompt``), or None:
+        over ``--max-prompt-bytes`` (counted as a budget), or not Unicode."""
         limit = self.max_prompt_bytes
         try:
             size = len(text) if len(text) > limit else len(text.encode())  # never fewer bytes than characters
-        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no tokenizer takes it
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): the tokenizer raised on it
             return "invalid_prompt", "text_prompt is not valid Unicode"
         if size > limit:
+            over_budget("prompt_bytes")
             return "invalid_prompt", f"text_prompt is over {limit} bytes (--max-prompt-bytes)"
         return None
 
