@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -105,6 +106,11 @@ class ServerConfig:
         "",
         "moshi engine, PersonaPlex: the folder of voice prompts sessions may name (NVIDIA's voices.tgz"
         " .pt files, or .wav), each loaded once at start",
+    )
+    max_prompt_bytes: int = _opt(
+        16 << 10, "the longest text prompt (PersonaPlex's text_prompt, Realtime instructions), UTF-8 "
+        "bytes: a longer one is refused on the event loop (invalid_prompt, 1007) before it reaches the "
+        "engine, which tokenizes the rest and refuses one past the model's context"
     )
     prompt_cache_mb: int = _opt(
         1024,
@@ -255,7 +261,17 @@ class ServerConfig:
     )
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
-    max_sessions_per_client: int = _opt(0, "sessions one client address may hold at once (0: no limit)")
+    max_sessions_per_client: int = _opt(
+        -1, "sessions one client address may hold at once (WebSockets and WebRTC calls alike); the address "
+        "is the peer's, or the one a proxy of --forwarded-allow-ips names. -1: a quarter of --max-sessions "
+        "(at least 1) for every address but a loopback one (this host: a benchmark, a proxy beside the "
+        "server that names no client); 0: no limit; N: N for every address, loopback included",
+    )
+    forwarded_allow_ips: str = _opt(
+        "", "comma-separated proxies (IPs or CIDRs, * for any peer) whose X-Forwarded-For names the client "
+        "(uvicorn's --forwarded-allow-ips, for its proxy headers and this server's per-client limit alike); "
+        "empty: no peer is trusted, X-Forwarded-For, Forwarded and X-Real-IP are never read",
+    )
     handshake_timeout_s: float = _opt(
         10.0, "close a connection whose HTTP/WebSocket handshake is not complete after this long"
     )
@@ -315,6 +331,10 @@ class ServerConfig:
         40, "WebRTC: the Opus packets asked of peers, 20, 40 or 80 ms (a=ptime in the answer, which browsers "
         "follow): 40 halves the packets to receive, unprotect and decode against browsers' default 20, and a "
         "lost one is rebuilt half from concealment, half from the next packet's FEC; a=maxptime lowers it"
+    )
+    webrtc_connect_timeout_s: float = _opt(
+        10.0, "WebRTC: a call whose peer connection is not up (ICE and DTLS) this long after its answer ends "
+        "(connect_timeout), its slot and UDP socket freed"
     )
     webrtc_output_fec: bool = _opt(
         False, "WebRTC: in-band FEC in the Opus the server sends (browsers rebuild lost packets from it; "
@@ -435,6 +455,11 @@ class ServerConfig:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.drain_max_s <= 0:
             raise ValueError("drain_max_s must be positive")
+        if self.max_sessions_per_client < -1:
+            raise ValueError("max_sessions_per_client: -1 (a quarter of max_sessions), 0 (none) or more")
+        trusted_proxies(self.forwarded_allow_ips)  # raises for an entry that is no address
+        if self.max_prompt_bytes < 1 or self.webrtc_connect_timeout_s <= 0:
+            raise ValueError("max_prompt_bytes and webrtc_connect_timeout_s must be positive")
         if self.max_detached < -1:
             raise ValueError("max_detached must be -1 (a quarter of max_sessions) or at least 0")
         if self.codec_threads < 1 or self.codec_processes < 0:
@@ -451,6 +476,19 @@ class ServerConfig:
             raise ValueError("webrtc_ptime_ms must be 20, 40 or 80")
         if not 1 <= self.webrtc_jitter_frames <= 50:
             raise ValueError("webrtc_jitter_frames must be 1..50 (20 ms packets)")
+
+
+def trusted_proxies(spec: str) -> list[str]:
+    """``--forwarded-allow-ips`` as uvicorn takes it; a ValueError for an entry that is not an
+    address, a network or ``*`` (uvicorn would take it as a name no peer ever has, silently)."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    for entry in entries:
+        if entry != "*":
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"--forwarded-allow-ips: {entry!r} is no IP address or network") from None
+    return entries
 
 
 _BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")

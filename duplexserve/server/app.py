@@ -77,6 +77,7 @@ class DuplexApp:
             idle_timeout_s=config.idle_timeout_s,
             max_session_s=config.max_session_s,
             max_sessions_per_client=config.max_sessions_per_client,
+            max_prompt_bytes=config.max_prompt_bytes,
             engine_stall_s=config.engine_stall_s,
             coalesce_ms=config.engine_coalesce_ms,
             tick_ms=config.engine_tick_ms,

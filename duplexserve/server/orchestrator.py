@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import itertools
 import logging
 import secrets
@@ -20,6 +21,7 @@ from typing import Any
 from duplexserve import errors
 from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
+from duplexserve.server.budgets import over_budget
 from duplexserve.server.personas import Readiness
 from duplexserve.server.resume import ResumeRegistry
 from duplexserve.server.session import Limits, Session, State, no_notify
@@ -53,6 +55,7 @@ class Orchestrator:
         idle_timeout_s: float = 30.0,
         max_session_s: float = 0.0,
         max_sessions_per_client: int = 0,
+        max_prompt_bytes: int = 16 << 10,
         engine_stall_s: float = 10.0,
         engine_factory: Callable[[], Engine] | None = None,
         coalesce_ms: float = 0.0,
@@ -65,7 +68,12 @@ class Orchestrator:
         self.limits = limits
         self.idle_timeout_s = idle_timeout_s
         self.max_session_s = max_session_s
-        self.max_sessions_per_client = max_sessions_per_client
+        #: -1: a quarter of the slots, loopback addresses exempt (:meth:`refusal`).
+        self.max_sessions_per_client = (
+            max(1, engine.num_slots // 4) if max_sessions_per_client < 0 else max_sessions_per_client
+        )
+        self._loopback_exempt = max_sessions_per_client < 0
+        self.max_prompt_bytes = max_prompt_bytes
         self.engine_stall_s = engine_stall_s
         self.engine_factory = engine_factory
         self.on_step: Callable[[StepOutput], None] | None = None
@@ -168,7 +176,11 @@ class Orchestrator:
         """Why a new session from ``client`` cannot be admitted now, or None.
 
         Returns (close code, error code, message): 1013 for full, draining or an engine
-        not ready (try again later), 1008 for the per-address policy.
+        not ready (try again later), 1008 for the per-address policy. ``client`` is the
+        address uvicorn put in the scope: the peer's, or what a proxy of
+        ``--forwarded-allow-ips`` named. Under the default limit a loopback address is
+        exempt: it is this host (a benchmark, a health probe, or a proxy beside the server
+        that names no client, whose clients would otherwise share one address's quarter).
         """
         if self.draining:
             return errors.TRY_AGAIN, "server_unavailable", "server is draining, try again later"
@@ -177,7 +189,9 @@ class Orchestrator:
         if not self._has_room:
             return errors.TRY_AGAIN, "server_unavailable", "server is full, try again later"
         limit = self.max_sessions_per_client
-        if limit and client and self._per_client[client] >= limit:
+        if limit and client and self._per_client[client] >= limit and not (
+            self._loopback_exempt and _loopback(client)
+        ):
             return errors.POLICY, "too_many_sessions", f"at most {limit} sessions per client address"
         return None
 
@@ -188,8 +202,9 @@ class Orchestrator:
         self, params: dict[str, Any] | None = None, client: str | None = None
     ) -> Session | None:
         """A new session in a free slot, or None when :meth:`refusal` says why not (1013)."""
-        if self.refusal(client) is not None:
-            self.counts.sessions_rejected += 1
+        refusal = self.refusal(client)
+        if refusal is not None:
+            self.rejected(refusal)
             return None
         if not self._free:  # every slot taken, some by detached sessions: the oldest gives way
             self._evict_oldest_detached()
@@ -209,6 +224,12 @@ class Orchestrator:
         self.bridge.open(slot, session.generation, params or {})
         return session
 
+    def rejected(self, refusal: tuple[int, str, str]) -> None:
+        """Count a new session refused for ``refusal``; one over its address's limit is over budget."""
+        self.counts.sessions_rejected += 1
+        if refusal[1] == "too_many_sessions":
+            over_budget("sessions_per_client")
+
     async def run_prompt(self, session: Session, params: dict[str, Any]) -> tuple[str, str] | None:
         """Run a new session's prompt (``text_prompt``, ``voice_prompt``) before its first
         audio; None once the engine ran it, else (docs/protocol.md's error code, message). A model
@@ -218,7 +239,11 @@ class Orchestrator:
             return "prompt_unsupported", "this model takes no prompt; the session goes on without it"
         voice = params.get("voice_prompt")
         if voice and voice not in engine.voices:
-            return "voice_not_found", f"voice_prompt {voice!r}: not one of this server's (GET /v1/voices)"
+            name = voice[:64]  # echoed back, not a megabyte of it
+            return "voice_not_found", f"voice_prompt {name!r}: not one of this server's (GET /v1/voices)"
+        refused = self._untokenizable(params.get("text_prompt") or "")
+        if refused is not None:  # before the engine thread tokenizes it (a 1 MiB one took 0.6 s there)
+            return refused
         assert self._loop is not None
         done: asyncio.Future[tuple[str, str] | None] = self._loop.create_future()
         self._prompts[session.slot] = done
@@ -230,6 +255,19 @@ class Orchestrator:
         finally:
             if self._prompts.get(session.slot) is done:
                 del self._prompts[session.slot]
+
+    def _untokenizable(self, text: str) -> tuple[str, str] | None:
+        """Why the text prompt ``text`` may not reach the engine (``invalid_prompt``), or None:
+        over ``--max-prompt-bytes`` (counted as a budget), or not Unicode."""
+        limit = self.max_prompt_bytes
+        try:
+            size = len(text) if len(text) > limit else len(text.encode())  # never fewer bytes than characters
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): the tokenizer raised on it
+            return "invalid_prompt", "text_prompt is not valid Unicode"
+        if size > limit:
+            over_budget("prompt_bytes")
+            return "invalid_prompt", f"text_prompt is over {limit} bytes (--max-prompt-bytes)"
+        return None
 
     # --------------------------------------------------------------------- frames
     def pump(self, session: Session) -> None:
@@ -438,3 +476,13 @@ class Orchestrator:
                 and now - session.last_activity > self.idle_timeout_s
             ):
                 self.close(session, "idle_timeout", errors.NORMAL)
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (an IP, or a name a proxy sent) is this host's loopback."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback

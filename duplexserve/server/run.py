@@ -16,7 +16,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from duplexserve.config import ServerConfig
+from duplexserve.config import ServerConfig, trusted_proxies
 from duplexserve.server import log_redaction
 from duplexserve.server.app import DuplexApp, create_app
 from duplexserve.server.ws_budgets import DEFAULT_LIMITS, UNLIMITED, MeteredProtocol, RateLimits, budgeted
@@ -149,6 +149,10 @@ def rate_limits(config: ServerConfig) -> RateLimits:
 def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> uvicorn.Config:
     """uvicorn's settings for ``config``; ``budgets`` False: the WebSocket protocols with no
     budget, uvicorn's as they come (the benchmarks' echo floors)."""
+    # X-Forwarded-For from the proxies of --forwarded-allow-ips only, never uvicorn's own default
+    # (loopback) nor its FORWARDED_ALLOW_IPS: its middleware rewrites the scope's client, which is
+    # the address the per-client limit counts (HTTP and WebSocket alike).
+    proxies = trusted_proxies(config.forwarded_allow_ips)
     return uvicorn.Config(
         app,
         host=config.host,
@@ -162,6 +166,8 @@ def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> u
         lifespan="on",
         log_level=config.log_level,
         access_log=False,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
         backlog=4096,
         timeout_graceful_shutdown=5,
     )

@@ -96,7 +96,7 @@ class TwilioConnection(Connection):
         client = self.scope.get("client")
         refusal = self.orch.refusal(client[0] if client else None)
         if refusal is not None:  # full or draining: say so at the upgrade, before any message
-            self.orch.counts.sessions_rejected += 1
+            self.orch.rejected(refusal)
             await self.refuse(*refusal)
             return False
         await self.accept()

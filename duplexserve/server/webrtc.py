@@ -49,6 +49,7 @@ from duplexserve.codecs.opus_rtp import RTP_RATE, RtpOpusDecoder, RtpOpusEncoder
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.server import auth, webrtc_peer, webrtc_rtp
+from duplexserve.server.budgets import over_budget
 from duplexserve.server.client_secrets import ClientSecrets
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.orchestrator import Orchestrator
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 CHANNEL = "oai-events"
 FRAME_S = 0.08
 PACKET_S = 0.02
+#: Distinct remote candidates an offer may name at most: the server sends STUN checks to each
+#: (an offer naming 300 addresses made it send 1,800 packets to them). A browser names two or
+#: three per network interface; past this the offer is refused (400 ``too_many_candidates``).
+MAX_CANDIDATES = 32
 #: Data-channel messages waiting for the session's reader at most; past it the call ends.
 MAX_INBOX = 1024
 #: Events kept for a data channel not yet open at most (session.created and its like).
@@ -181,6 +186,7 @@ class WebRTCConnection(RealtimeConnection):
         self._fast_out: bool | None = None  # decided at the first packet: our RTP, or aiortc's
         self.packet_ms = config.webrtc_packet_ms  # the Opus packets sent (attach: the peer's maxptime)
         self.pc: Any = None
+        self.connected = False  # the peer connection came up (ICE and DTLS) at least once
         self.frames_skipped = 0  # whole frames not fed: the engine was behind (input paused)
         self.decode_errors = 0
         self._playing = False  # on the clock
@@ -332,7 +338,9 @@ class WebRTCConnection(RealtimeConnection):
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
-            if pc.connectionState in ("failed", "closed"):
+            if pc.connectionState == "connected":
+                self.connected = True
+            elif pc.connectionState in ("failed", "closed"):
                 self.socket.end()
 
     def hang_up(self) -> None:
@@ -483,6 +491,12 @@ class WebRTCCalls:
 
     async def _answer(self, request: Request, sdp: str, config: dict[str, Any] | None) -> Response:
         offer = webrtc_peer.without_mdns_candidates(sdp)
+        candidates = webrtc_peer.candidate_count(offer)
+        if candidates > MAX_CANDIDATES:
+            self.outcomes["bad_request"] += 1
+            over_budget("webrtc_candidates")
+            message = f"the offer names {candidates} ICE candidates, more than {MAX_CANDIDATES}"
+            return _error(400, "too_many_candidates", message)
         try:
             _check_sdp(offer)
             parsed = webrtc_peer.SessionDescription.parse(offer)
@@ -536,6 +550,7 @@ class WebRTCCalls:
             return _error(500, "answer_failed", f"the server could not answer the offer: {exc}")
         self.calls[call_id] = conn
         self.outcomes["answered"] += 1
+        asyncio.get_running_loop().call_later(self.config.webrtc_connect_timeout_s, self._unconnected, conn)
         asked = webrtc_peer.packet_ms(offer, self.config.webrtc_ptime_ms)
         answer = pc.localDescription.sdp
         if asked != 20:  # browsers send 20 ms unless asked
@@ -544,6 +559,18 @@ class WebRTCCalls:
             answer, status_code=201, media_type="application/sdp",
             headers={"Location": f"/v1/realtime/calls/{call_id}"},
         )  # fmt: skip
+
+    def _unconnected(self, conn: WebRTCConnection) -> None:
+        """``--webrtc-connect-timeout-s`` after the answer: a call whose peer never came up
+        ends, so an offer that never connects holds its slot and UDP socket seconds, not
+        until the idle timeout (its session's close tears the peer connection down)."""
+        session = conn.session
+        if conn.connected or session is None or session.closed:
+            return
+        over_budget("webrtc_connect")
+        log.info("webrtc call %s: not connected after %.1f s, ended (connect_timeout)",
+                 conn.call_id, self.config.webrtc_connect_timeout_s)  # fmt: skip
+        self.orch.close(session, "connect_timeout", errors.NORMAL)
 
     async def _serve(self, conn: WebRTCConnection) -> None:
         try:

@@ -153,6 +153,17 @@ def without_mdns_candidates(sdp: str) -> str:
     return "\r\n".join(kept) + "\r\n"
 
 
+def candidate_count(sdp: str) -> int:
+    """The distinct ICE candidates ``sdp`` names: transport, address and port of its
+    ``a=candidate:`` lines (a browser repeats a bundled transport's in every media section)."""
+    seen = set()
+    for line in sdp.splitlines():
+        if line.startswith("a=candidate:"):
+            fields = line.split()
+            seen.add((fields[2].lower(), fields[4], fields[5]) if len(fields) > 5 else line)
+    return len(seen)
+
+
 def _mdns_candidate(line: str) -> bool:
     fields = line.split()
     return line.startswith("a=candidate:") and len(fields) > 4 and fields[4].endswith(".local")

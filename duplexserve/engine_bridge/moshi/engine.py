@@ -43,6 +43,7 @@ from duplexserve.engine_bridge.moshi.prompts import (
     Prompt,
     StreamLayout,
     load_voices,
+    prompt_frames,
     wrap_system,
 )
 
@@ -522,12 +523,12 @@ class MoshiEngine(Engine):
                 raise PromptError("invalid_prompt", "a text prompt needs the model's tokenizer, and this "
                                   "server has none: start it with --moshi-tokenizer (a SentencePiece model)")
             tokens = self.tokenizer.encode(wrap_system(text))
-        prompt = Prompt.build(self._layout, tokens, voice)
+        frames = prompt_frames(len(tokens), voice)
         context = self.lm_gen.lm_model.transformer.layers[0].self_attn.context
-        if prompt.frames > context:
-            message = f"the prompt is {prompt.frames} frames, more than the model's context ({context})"
+        if frames > context:
+            message = f"the prompt is {frames} frames, more than the model's context ({context})"
             raise PromptError("invalid_prompt", message)
-        return prompt
+        return Prompt.build(self._layout, tokens, voice)
 
     def _prefill(self, slot: int, prompt: Prompt, key: tuple[str, str]) -> None:
         from duplexserve.engine_bridge.moshi.live_lm import write_ring_prefix

@@ -163,6 +163,12 @@ class StreamLayout:
         return cls(tuple(lm.delays), tuple(initial.tolist()), k, silence, sine)
 
 
+def prompt_frames(text_tokens: int, voice: Voice | None) -> int:
+    """The frames of a prompt (``Prompt.frames``) of ``text_tokens`` tokens and ``voice``,
+    known before it is built: checked against the context first, building one is not free."""
+    return (voice.frames if voice is not None else 0) + 2 * SILENCE_FRAMES + text_tokens
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One session's prompt, laid out as NVIDIA's LMGen leaves its token cache.
