@@ -231,6 +231,7 @@ def stack(images, tmp_path_factory) -> Iterator[Stack]:
     env = compose_env(
         tmp, 2, IMAGE=images.cpu, LOADGEN_IMAGE=images.loadgen, NGINX_IMAGE=images.nginx,
         MAX_SESSIONS=str(MAX_SESSIONS), DRAIN_GRACE_S="30", RESULTS_DIR=str(results),
+        MAX_SESSIONS_PER_CLIENT="0",  # every client here is this host: one address to the servers
     )
     compose = ["docker-compose", "--project-name", f"duplexserve-ci-{RUN}",
                "-f", str(DOCKER_DIR / "compose.yaml"), "-f", str(DOCKER_DIR / "compose.cpu.yaml")]

@@ -312,7 +312,7 @@ def fleet(cpu, nginx, tmp_path) -> Iterator[Fleet]:
     out = tmp_path / "gpus"
     sh(sys.executable, "scripts/compose-gpus.py", "--cpu", "--gpus", "0,1,2,3", "--out", str(out))
     env = compose_env(tmp_path, REPLICAS, IMAGE=cpu, NGINX_IMAGE=nginx, MAX_SESSIONS=str(SLOTS),
-                      DRAIN_GRACE_S="60")
+                      DRAIN_GRACE_S="60", MAX_SESSIONS_PER_CLIENT="0")  # every client is this host
     files = (DOCKER_DIR / "compose.yaml", DOCKER_DIR / "compose.cpu.yaml", out / "compose.yaml")
     compose = ["docker-compose", "--project-name", f"duplexserve-ci-gpus-{RUN}", "--profile", "scale",
                *(a for f in files for a in ("-f", str(f)))]
