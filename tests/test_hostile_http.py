@@ -200,6 +200,7 @@ def test_a_failed_call_does_not_spend_its_client_secret(server_factory):
         as_secret = f"Authorization: Bearer {secret}\r\n"
         flood, _ = _chunked_flood(server.port, "/v1/realtime/calls", as_secret, 8 << 20)
         assert flood.startswith(b"HTTP/1.1 413 ")
+        assert server.metrics()['duplexserve_connections_over_budget_total{budget="request_body"}'] == 1
         # Still good: this request gets past the key to the offer (401 if the secret were spent).
         last = offer("{}")
         assert last.status_code == 400 and last.json()["error"]["code"] == "invalid_sdp"

@@ -192,6 +192,7 @@ def test_a_request_head_past_the_limit_gets_431(server_factory):
         with contextlib.suppress(ConnectionError):
             answer += s.recv(200)
     assert answer.startswith(b"HTTP/1.1 431 ")
+    assert server.metrics()['duplexserve_connections_over_budget_total{budget="request_head"}'] == 1
     with httpx.Client() as client:  # one kept-alive connection, heads under the limit
         for _ in range(3):
             assert client.get(server.http + "/health", headers={"x-pad": "p" * 30_000}).status_code == 200

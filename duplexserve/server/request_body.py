@@ -14,6 +14,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from duplexserve.server.budgets import over_budget
+
 #: The most bytes a body of the HTTP API may have (an SDP offer with its session: a few KiB).
 MAX_BODY_BYTES = 64 << 10
 #: The deepest JSON accepted in a body (a session config nests four or five levels).
@@ -29,11 +31,13 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The body, or BodyTooLarge as soon as its declared or received size passes ``limit``."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
+        over_budget("request_body")
         raise BodyTooLarge(f"the body is over {limit} bytes")
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
+            over_budget("request_body")
             raise BodyTooLarge(f"the body is over {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)

@@ -19,6 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from duplexserve.config import ServerConfig, trusted_proxies
 from duplexserve.server import log_redaction
 from duplexserve.server.app import DuplexApp, create_app
+from duplexserve.server.budgets import over_budget
 from duplexserve.server.ws_budgets import DEFAULT_LIMITS, UNLIMITED, MeteredProtocol, RateLimits, budgeted
 from duplexserve.server.ws_fallback import SansIOFallback
 from duplexserve.server.ws_protocol import FastWebSocketProtocol, fallback_problem, fast_path_problem
@@ -60,6 +61,7 @@ def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
                     self._head_bytes = None
                     self._handshake_timer.cancel()
                     if not self.transport.is_closing():
+                        over_budget("request_head")
                         self.transport.write(_HEAD_TOO_LARGE)
                         self.transport.close()
                     return
