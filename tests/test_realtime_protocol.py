@@ -493,23 +493,3 @@ def test_the_documented_example_works(rt_server):
     assert done.returncode == 0, done.stderr
     # 1 s of tone is 12.5 frames: 13 voiced frames, then the 6 silent ones that end it.
     assert "hello from" in done.stdout and "response completed: 1520 ms of audio" in done.stdout
-
-
-def test_a_webrtc_call_leaves_no_ice_chatter_in_the_log_below_debug(server_factory):
-    """aioice logs each ICE check at INFO, about ten lines a call: kept to warnings unless
-    ``--log-level debug``."""
-    pytest.importorskip("aiortc")
-    from tests.webrtc_client import Peer
-
-    async def call(http: str) -> None:
-        peer = Peer(np.zeros(24000, np.float32))
-        assert await peer.connect(http) == 201
-        await peer.wait_for(lambda: "session.created" in peer.kinds())
-        await peer.close()
-
-    loopback = ("--ice-host-addresses", "127.0.0.1")
-    for level, chatter in (("info", False), ("debug", True)):
-        server = server_factory(*loopback, "--log-level", level)
-        asyncio.run(call(server.http))
-        log = server.log()
-        assert ("aioice" in log) is chatter, log[-3000:]

@@ -325,3 +325,21 @@ def test_a_full_server_answers_503_and_without_aiortc_the_routes_answer_501(serv
     answer = httpx.post(bare.http + "/v1/realtime/calls", content="v=0", headers=sdp)
     assert answer.status_code == 501 and "aiortc" in answer.json()["error"]["message"]
     assert httpx.get(bare.http + "/health").status_code == 200
+
+
+def test_a_webrtc_call_leaves_no_ice_chatter_in_the_log_below_debug(server_factory):
+    """aioice logs each ICE check at INFO, about ten lines a call: kept to warnings unless
+    ``--log-level debug``."""
+
+    async def call(http: str) -> None:
+        peer = Peer(np.zeros(24000, np.float32))
+        assert await peer.connect(http) == 201
+        await peer.wait_for(lambda: "session.created" in peer.kinds())
+        await peer.close()
+
+    loopback = ("--ice-host-addresses", "127.0.0.1")
+    for level, chatter in (("info", False), ("debug", True)):
+        server = server_factory(*loopback, "--log-level", level)
+        asyncio.run(call(server.http))
+        log = server.log()
+        assert ("aioice" in log) is chatter, log[-3000:]
