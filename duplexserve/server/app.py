@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, quote
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -30,6 +30,7 @@ from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server import auth, gc_pauses, personas
 from duplexserve.server.connection import Connection, Receive, Scope, Send
+from duplexserve.server.http_errors import http_error
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.moshi_chat import MoshiConnection
 from duplexserve.server.native import NativeConnection
@@ -181,9 +182,7 @@ class DuplexApp:
         if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.api_keys:
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
             if not auth.key_ok(scope, query, self.api_keys):
-                body = {"error": {"type": "invalid_request_error", "code": "invalid_api_key",
-                                  "message": "a valid API key is required", "param": None}}
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                await http_error(401, "invalid_api_key", "a valid API key is required")(scope, receive, send)
                 return
         await self.http(scope, receive, send)
 

@@ -25,6 +25,7 @@ from duplexserve import errors
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server import auth
+from duplexserve.server.http_errors import http_error
 
 if TYPE_CHECKING:
     from duplexserve.server.orchestrator import Orchestrator
@@ -69,18 +70,13 @@ def voices_route(config: ServerConfig, orch: Orchestrator) -> Callable[[Request]
 
     async def voices(request: Request) -> Response:
         if not auth.origin_ok(request.scope, auth.parse_list(config.allowed_origins)):
-            return _error(403, "origin_not_allowed", "this Origin may not connect")
+            return http_error(403, "origin_not_allowed", "this Origin may not connect")
         if not auth.key_ok(request.scope, dict(request.query_params), auth.parse_list(config.api_keys)):
-            return _error(401, "invalid_api_key", "a valid API key is required")
+            return http_error(401, "invalid_api_key", "a valid API key is required")
         data = [{"id": name, "object": "voice"} for name in orch.engine.voices]
         return JSONResponse({"object": "list", "data": data})
 
     return voices
-
-
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    body = {"error": {"type": "invalid_request_error", "code": code, "message": message, "param": None}}
-    return JSONResponse(body, status_code=status)
 
 
 class _Histogram:

@@ -52,6 +52,7 @@ from duplexserve.server import auth, webrtc_peer, webrtc_rtp
 from duplexserve.server.budgets import over_budget
 from duplexserve.server.client_secrets import ClientSecrets
 from duplexserve.server.events import AudioOut, ClosedOut, Outgoing
+from duplexserve.server.http_errors import http_error
 from duplexserve.server.orchestrator import Orchestrator
 from duplexserve.server.realtime import ClientEventError, RealtimeConnection
 from duplexserve.server.realtime_responses import Mode
@@ -77,15 +78,9 @@ MAX_UNSENT = 256
 LINGER_S = 0.2
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = {"error": {"type": kind, "code": code, "message": message, "param": None}}
-    return JSONResponse(body, status_code=status)
-
-
 def _too_large(exc: BodyTooLarge) -> JSONResponse:
     """413, and the connection closed after it: the rest of the body is never read."""
-    answer = _error(413, "body_too_large", str(exc))
+    answer = http_error(413, "body_too_large", str(exc))
     answer.headers["connection"] = "close"
     return answer
 
@@ -428,7 +423,7 @@ class WebRTCCalls:
     def _refused(self, request: Request) -> JSONResponse | None:
         if not auth.origin_ok(request.scope, auth.parse_list(self.config.allowed_origins)):
             self.outcomes["forbidden"] += 1
-            return _error(403, "origin_not_allowed", "this Origin may not connect")
+            return http_error(403, "origin_not_allowed", "this Origin may not connect")
         return None
 
     # ------------------------------------------------------------------ routes
@@ -436,7 +431,7 @@ class WebRTCCalls:
         """``POST /v1/realtime/calls``: the offer in, the answer out (201)."""
         if self.problem is not None:
             self.outcomes["unavailable"] += 1
-            return _error(501, "webrtc_unavailable", self.problem)
+            return http_error(501, "webrtc_unavailable", self.problem)
         refused = self._refused(request)
         if refused is not None:
             return refused
@@ -445,7 +440,7 @@ class WebRTCCalls:
             secret = self.secrets.take(auth.presented_keys(request.scope, dict(request.query_params)))
             if secret is None:
                 self.outcomes["unauthorized"] += 1
-                return _error(401, "invalid_api_key", "a valid API key or client secret is required")
+                return http_error(401, "invalid_api_key", "a valid API key or client secret is required")
         answered = False
         try:  # a secret is spent by an answered call only, whatever else happens
             try:
@@ -455,7 +450,7 @@ class WebRTCCalls:
                 return _too_large(exc)
             except ValueError as exc:
                 self.outcomes["bad_request"] += 1
-                return _error(400, "invalid_offer", str(exc))
+                return http_error(400, "invalid_offer", str(exc))
             if secret is not None and secret.session:
                 session_config = {**secret.session, **(session_config or {})}
             answer = await self._answer(request, sdp, session_config)
@@ -496,28 +491,28 @@ class WebRTCCalls:
             self.outcomes["bad_request"] += 1
             over_budget("webrtc_candidates")
             message = f"the offer names {candidates} ICE candidates, more than {MAX_CANDIDATES}"
-            return _error(400, "too_many_candidates", message)
+            return http_error(400, "too_many_candidates", message)
         try:
             _check_sdp(offer)
             parsed = webrtc_peer.SessionDescription.parse(offer)
         except Exception as exc:
             self.outcomes["bad_request"] += 1
-            return _error(400, "invalid_sdp", f"the offer is not valid SDP: {exc}")
+            return http_error(400, "invalid_sdp", f"the offer is not valid SDP: {exc}")
         audio = [m for m in parsed.media if m.kind == "audio"]
         if not audio:
             self.outcomes["bad_request"] += 1
-            return _error(400, "no_audio", "the offer has no audio m-line")
+            return http_error(400, "no_audio", "the offer has no audio m-line")
         opus = {c.payloadType for c in audio[0].rtp.codecs if c.mimeType.lower() == "audio/opus"}
         if not opus:
             self.outcomes["bad_request"] += 1
-            return _error(400, "no_opus", "the offer's audio does not offer Opus")
+            return http_error(400, "no_opus", "the offer's audio does not offer Opus")
         pc = webrtc_peer.new_peer(self.ice_servers)
         try:
             await pc.setRemoteDescription(webrtc_peer.RTCSessionDescription(offer, "offer"))
         except Exception as exc:
             await pc.close()
             self.outcomes["bad_request"] += 1
-            return _error(400, "invalid_sdp", f"the offer was refused: {exc}")
+            return http_error(400, "invalid_sdp", f"the offer was refused: {exc}")
         call_id = "rtc_" + secrets.token_hex(12)
         socket = CallSocket()
         headers = [(k, v) for k, v in request.scope.get("headers", []) if k.lower() != b"authorization"]
@@ -539,7 +534,7 @@ class WebRTCCalls:
         if outcome is not None:
             status, code, message = outcome
             self.outcomes["refused" if status != 400 else "bad_request"] += 1
-            return _error(status, code, message)
+            return http_error(status, code, message)
         try:
             await pc.setLocalDescription(await pc.createAnswer())
         except Exception as exc:
@@ -547,7 +542,7 @@ class WebRTCCalls:
             if conn.session is not None:
                 self.orch.close(conn.session, "internal_error", errors.INTERNAL)
             self.outcomes["failed"] += 1
-            return _error(500, "answer_failed", f"the server could not answer the offer: {exc}")
+            return http_error(500, "answer_failed", f"the server could not answer the offer: {exc}")
         self.calls[call_id] = conn
         self.outcomes["answered"] += 1
         asyncio.get_running_loop().call_later(self.config.webrtc_connect_timeout_s, self._unconnected, conn)
@@ -592,10 +587,10 @@ class WebRTCCalls:
         if refused is not None:
             return refused
         if not self._server_key_ok(request):
-            return _error(401, "invalid_api_key", "a valid API key is required")
+            return http_error(401, "invalid_api_key", "a valid API key is required")
         conn = self.calls.get(call_id)
         if conn is None or conn.session is None:
-            return _error(404, "call_not_found", f"no call {call_id[:64]!r}")
+            return http_error(404, "call_not_found", f"no call {call_id[:64]!r}")
         self.orch.close(conn.session, "client_closed", errors.NORMAL)
         return Response(status_code=200)
 
@@ -605,14 +600,14 @@ class WebRTCCalls:
         if refused is not None:
             return refused
         if not self._server_key_ok(request):
-            return _error(401, "invalid_api_key", "a valid API key is required")
+            return http_error(401, "invalid_api_key", "a valid API key is required")
         try:
             spec = parse_json(await read_body(request) or b"{}", "the body")
             secret = self.secrets.mint(spec, self.config.model_name)
         except BodyTooLarge as exc:
             return _too_large(exc)
         except ValueError as exc:
-            return _error(400, "invalid_value", str(exc))
+            return http_error(400, "invalid_value", str(exc))
         return JSONResponse(secret.response())
 
     async def browser_ice_servers(self, request: Request) -> Response:
@@ -625,7 +620,7 @@ class WebRTCCalls:
         if not self._server_key_ok(request) and not self.secrets.valid(
             auth.presented_keys(request.scope, dict(request.query_params))
         ):
-            return _error(401, "invalid_api_key", "a valid API key or client secret is required")
+            return http_error(401, "invalid_api_key", "a valid API key or client secret is required")
         return JSONResponse({"ice_servers": webrtc_peer.stun_for_browsers(self.ice_servers)})
 
     async def close(self) -> None:
