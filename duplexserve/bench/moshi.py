@@ -390,7 +390,8 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
 def cmd_rtf(args: argparse.Namespace) -> None:
     port = args.port
     serve = serve_arguments(args)
-    print("serve command:", shlex.join(["duplexserve", *serve]), flush=True)
+    serve_command = shlex.join(["duplexserve", *serve])
+    print("serve command:", serve_command, flush=True)
     server_cmd = [sys.executable, "-m", "duplexserve", *serve]
     t = time.perf_counter()
     with open(args.server_log or os.devnull, "w") as log:
@@ -410,7 +411,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
             for sessions in args.sessions:  # each count R times, all on this one server
                 for _ in range(args.runs):
                     summary = _run_once(args, sessions, port, proc.pid, startup)
-                    out.write(json.dumps({**summary, "serve": shlex.join(["duplexserve", *serve])}) + "\n")
+                    out.write(json.dumps({**summary, "serve": serve_command}) + "\n")
                     out.flush()
                     startup = 0.0  # the server's start counts in the first run's line only
     finally:
