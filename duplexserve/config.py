@@ -221,6 +221,14 @@ class ServerConfig:
         "latency; 80 is one frame); 0: step whenever a frame is pending (lower latency: the "
         "H200 runs in docs/benchmarks.md)",
     )
+    engine_gather: str = _opt(
+        "auto",
+        "stepping at once: under load (a step over a quarter of a frame), let a step wait, up to "
+        "its own duration, for the frames due within it, so one step serves the cohorts that "
+        "stepping at once would step apart (docs/architecture.md). auto: on for the moshi engine, "
+        "whose step costs its whole bucket of rows whatever frames it holds",
+        ("auto", "on", "off"),
+    )
 
     # Admission and bounds.
     max_sessions: int = _opt(
@@ -413,6 +421,11 @@ class ServerConfig:
         if self.engine_process is not None:
             return self.engine_process
         return self.engine == "moshi" and self._on_gpu()
+
+    @property
+    def gathers(self) -> bool:
+        """``--engine-gather`` resolved: auto is on for the moshi engine."""
+        return self.engine_gather == "on" or (self.engine_gather == "auto" and self.engine == "moshi")
 
     def _on_gpu(self) -> bool:
         return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))

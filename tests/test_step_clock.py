@@ -1,4 +1,5 @@
-"""The engine's step clock (``batcher.StepClock``) and the schedule it reads, in simulated time.
+"""The engine's step clock (``batcher.StepClock``), gathering (``batcher.Gather``) and the
+schedule they read, in simulated time.
 
 What it must do: one step per frame period serving every session (not cohorts stepped
 apart), a wait per session that stays the same for the whole session whoever joins, and
@@ -14,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from duplexserve.engine_bridge.batcher import CREEP_S, SLACK_S, FifoBatcher, SlotBatcher, StepClock
+from duplexserve.engine_bridge.batcher import CREEP_S, SLACK_S, FifoBatcher, Gather, SlotBatcher, StepClock
 
 P = 0.08
 FRAME = np.zeros(4, np.float32)
@@ -94,15 +95,17 @@ def simulate(
     jitter_s: float = 0.004,
     slow_step_at: float | None = None,
     seed: int = 0,
+    gather: bool = False,
 ) -> tuple[float, dict[int, list[tuple[int, float]]]]:
     """Paced sessions (160 ms messages of two frames, random phases, arrivals late by up
     to ``jitter_s``, starts spread over the first second) against a step costing
     ``step_s(batch)``. Returns the steps per frame period and, per session, (frame, latency from the
     message's arrival to the end of the step that answered it) in order."""
     rng = random.Random(seed)
-    # the bridge's batchers: on the clock, or at once
-    b = SlotBatcher(sessions, window=16, frame_s=P) if tick_s else FifoBatcher(sessions, window=16)
+    # the bridge's batchers: on the clock or gathering, or at once
+    b = SlotBatcher(sessions, window=16, frame_s=P) if tick_s or gather else FifoBatcher(sessions, window=16)
     clock = StepClock(tick_s) if tick_s else None
+    gathering = Gather(P) if gather else None
     arrivals = []
     for s in range(sessions):
         b.open(s, s)
@@ -130,6 +133,11 @@ def simulate(
             if wait > 0:
                 t = min(t + wait, arrivals[i][0]) if i < len(arrivals) else t + wait
                 continue
+        elif gathering is not None:
+            wait = gathering.wait(t, b)  # type: ignore[arg-type]
+            if wait > 0:  # the bridge blocks on its queue: a frame that comes ends the wait
+                t = min(t + wait, arrivals[i][0]) if i < len(arrivals) else t + wait
+                continue
         slots, _, batch = b.gather(cutoff)
         if not len(slots):
             continue
@@ -137,6 +145,8 @@ def simulate(
         cost = step_s(len(slots))
         if slow_step_at is not None and not slow_done and t >= slow_step_at:
             cost, slow_done = 0.25, True  # one stall of three frames
+        if gathering is not None:
+            gathering.stepped(t, t + cost)
         t += cost
         for s, frame in zip(slots.tolist(), batch[:, 0].astype(int).tolist(), strict=True):
             assert frame == counter[s]  # every frame, once, in order
@@ -151,6 +161,46 @@ def test_the_clock_steps_once_a_frame_where_greedy_steps_in_cohorts():
     assert all(len(a) == 250 for a in answered.values())
     assert clock <= 1.05  # every session in one step a frame
     assert greedy >= 1.8  # stepping at once: cohorts, two steps or more a frame
+
+
+def bucket_step(step: float):  # a moshi step: its whole bucket, whatever frames it holds
+    return lambda n: step
+
+
+def late_frames(answered: dict[int, list[tuple[int, float]]]) -> int:
+    """docs/benchmarks.md's underruns: answers more than a frame behind the session's first
+    answer's rhythm (frame ``f`` played at its arrival plus the first answer's latency)."""
+    late = 0
+    for frames in answered.values():
+        first = frames[0][1]
+        late += sum(1 for f, lat in frames if lat + (f % 2) * -P > first + P)  # 2nd frame: a frame later
+    return late
+
+
+def test_gathering_steps_the_cohorts_together_under_load():
+    """A step costing its bucket (35 ms, moshi's at 512 Hibiki-Zero sessions): at once,
+    about 2.3 steps a frame period; gathering, fewer than 1.3, every frame answered within
+    three steps (at once: two) and none late."""
+    at_once, _ = simulate(0.0, sessions=96, step_s=bucket_step(0.035))
+    gathered, answered = simulate(0.0, sessions=96, step_s=bucket_step(0.035), gather=True)
+    assert at_once >= 2.0 and gathered <= 1.3
+    assert all(len(a) == 250 for a in answered.values())
+    assert max(lat for frames in answered.values() for f, lat in frames if f % 2 == 0) <= 3 * 0.035 + 0.01
+    assert late_frames(answered) == 0
+
+
+def test_gathering_holds_a_step_over_half_a_frame_where_at_once_falls_behind():
+    """At 44 ms a step (640 sessions), gathering steps about once a frame period, so a frame's
+    wait stays bounded; at once, the cohorts' steps fill the whole period."""
+    at_once, _ = simulate(0.0, sessions=96, step_s=bucket_step(0.044))
+    gathered, answered = simulate(0.0, sessions=96, step_s=bucket_step(0.044), gather=True)
+    assert at_once >= 1.6 and gathered <= 1.1
+    assert late_frames(answered) == 0
+
+
+def test_light_load_steps_at_once_as_before():
+    """A step under a quarter of a frame: gathering never waits, the steps are at once's."""
+    assert simulate(0.0, step_s=bucket_step(0.015), gather=True) == simulate(0.0, step_s=bucket_step(0.015))
 
 
 def test_no_session_waits_longer_than_for_its_first_frame():
@@ -205,6 +255,43 @@ def test_a_server_on_the_clock_answers_every_frame_exactly_and_in_order(server_f
     # every clock step is a tick (its lag measured) or a catch-up
     ticks = metrics["duplexserve_engine_tick_lag_seconds_count"]
     assert ticks + metrics["duplexserve_engine_catchup_steps_total"] == steps and ticks > 0
+
+
+def test_a_gathering_server_answers_every_frame_exactly_and_in_order(server_factory):
+    """The real server gathering (``--engine-gather on``; auto turns it on for the moshi
+    engine), synthetic engine stepping 30 ms (over the floor): paced sessions at different
+    phases and a burst sender get their own bytes back, in order, and steps did wait."""
+    import asyncio
+
+    from tests.native_client import converse, signal
+
+    server = server_factory("--engine-gather", "on", "--step-base-ms", "30", "--text-every", "0")
+    frame_bytes = 1920 * 4
+
+    async def session(seed: int, gap: float, delay: float) -> tuple[bytes, bytes, int]:
+        await asyncio.sleep(delay)
+        audio = signal(20, seed=seed).tobytes()
+        chunks = [audio[i : i + 2 * frame_bytes] for i in range(0, len(audio), 2 * frame_bytes)]
+        res = await converse(server.ws(), chunks, gap=gap)
+        return audio, b"".join(res.frames), res.close_code
+
+    async def main() -> list[tuple[bytes, bytes, int]]:
+        paced = [session(k, 2 * P, 0.013 * k) for k in range(6)]
+        return await asyncio.gather(*paced, session(99, 0.0, 0.05))
+
+    for sent, received, code in asyncio.run(main()):
+        assert received == sent and code == 1000
+    metrics = server.metrics()
+    assert metrics["duplexserve_engine_gather_waits_total"] > 0
+    assert metrics["duplexserve_engine_gather_wait_seconds_total"] > 0
+
+
+def test_gathering_is_on_for_the_moshi_engine_only_unless_chosen():
+    from duplexserve.config import ServerConfig
+
+    assert ServerConfig(engine="moshi").gathers and not ServerConfig(engine="synthetic").gathers
+    assert ServerConfig(engine="synthetic", engine_gather="on").gathers
+    assert not ServerConfig(engine="moshi", engine_gather="off").gathers
 
 
 def test_stepping_at_once_is_the_default_and_the_clock_is_chosen():

@@ -383,6 +383,7 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
         "serve", *engine, "--max-sessions", str(max(args.sessions)),
         *(["--engine-process"] if args.engine_process else []),
         *(["--engine-tick-ms", f"{args.tick_ms:g}"] if args.tick_ms != defaults.engine_tick_ms else []),
+        *(["--engine-gather", args.gather] if args.gather != defaults.engine_gather else []),
         "--port", str(args.port), "--idle-timeout-s", "120",
     ]  # fmt: skip
 
@@ -476,6 +477,7 @@ def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, star
         "mimi_graph": args.mimi_graph,
         "mimi_convs": args.mimi_convs,
         "tick_ms": args.tick_ms,
+        "gather": args.gather,
         "seconds": args.seconds,
         "message_ms": args.message_ms,
         "startup_s": startup,
@@ -595,6 +597,13 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="the server's --engine-tick-ms (0, its default: step at once; 80: a clock of one frame)",
+    )
+    r.add_argument(
+        "--gather",
+        "--engine-gather",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the server's --engine-gather (auto, its default: on for the moshi engine)",
     )
     r.add_argument(
         "--synthetic-step-ms",

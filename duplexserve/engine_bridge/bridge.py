@@ -16,6 +16,10 @@ Stepping on a clock (``tick_s``, one frame by default for the moshi engine): see
 ``batcher.StepClock``. Between ticks the engine thread sleeps in short slices and
 drains the queue after each, so the queue never fills while it waits.
 
+Gathering (``gather``, the moshi engine's default): at once, but under load a step waits
+for the frames due within its own duration (``batcher.Gather``), blocked on the queue, so
+a frame that comes ends the wait at once.
+
 Queue entries are ``(received, items)``: ``time.monotonic()`` when the iteration's items
 were put, so a frame's age counts from its arrival, not from when a busy engine thread
 got to it. Items are ``(slot, generation, payload)``: payload is a frame (an ndarray view of
@@ -41,7 +45,7 @@ from typing import Any
 import janus
 import numpy as np
 
-from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher, StepClock
+from duplexserve.engine_bridge.batcher import FifoBatcher, Gather, SlotBatcher, StepClock
 from duplexserve.engine_bridge.engine import Engine, PromptError
 from duplexserve.engine_bridge.overflow import OrderedPutter
 
@@ -115,6 +119,8 @@ class BridgeCounts:
     frames_stepped: int = 0
     catch_up_steps: int = 0  # clock steps for frames that missed their tick
     catch_up_frames: int = 0
+    gather_waits: int = 0  # steps that waited for frames due within them (batcher.Gather)
+    gather_wait_s: float = 0.0  # how long they waited, together
     engine_errors: int = 0
     engine_restarts: int = 0
     #: Sessions ended by restarts, per cause (:data:`RESTART_CAUSES`): every session the
@@ -134,6 +140,7 @@ class EngineBridge:
         coalesce_s: float = 0.0,
         tick_s: float = 0.0,
         on_deliver: Callable[[float, float], None] | None = None,
+        gather: bool = False,
     ) -> None:
         self.engine = engine
         #: After an idle wait, let this long pass before stepping, so one step (and one
@@ -141,6 +148,9 @@ class EngineBridge:
         self.coalesce_s = coalesce_s
         #: Step on a clock of this period (0: whenever a frame is pending).
         self.clock = StepClock(tick_s) if tick_s else None
+        frame_s = engine.frame_samples / 24000
+        #: At once, but under load a step waits for the frames due within it (not on a clock).
+        self.gather = Gather(frame_s) if gather and not tick_s else None
         self.counts = counts or BridgeCounts()
         self._on_outputs = on_outputs
         self.on_step = on_step
@@ -150,8 +160,8 @@ class EngineBridge:
         self.on_deliver = on_deliver
         self._queue_size = queue_size
         self._batcher = (
-            SlotBatcher(engine.num_slots, window, engine.frame_samples / 24000)
-            if tick_s
+            SlotBatcher(engine.num_slots, window, frame_s)
+            if tick_s or self.gather
             else FifoBatcher(engine.num_slots, window)
         )
         self._queue: janus.Queue[tuple[float, list[tuple[int, int, Any]]]] | None = None
@@ -307,7 +317,7 @@ class EngineBridge:
         self._loop.call_soon_threadsafe(_set_result, ready)
         sync_q = self._queue.sync_q
         batcher = self._batcher
-        clock = self.clock
+        clock, gather = self.clock, self.gather
         coalesce_s = 0.0 if clock else self.coalesce_s
         try:
             while True:
@@ -340,6 +350,11 @@ class EngineBridge:
                         time.sleep(min(wait, _TICK_SLICE_S))  # then drain again
                         continue
                     self._step(cutoff, now - clock.last, clock.catch_up)
+                elif gather is not None and (wait := gather.wait(time.monotonic(), batcher)) > 0.0:
+                    entry = self._gather_wait(sync_q, wait)
+                    if entry is not None and self._take_all(entry):
+                        return
+                    continue  # decide again, with what came
                 else:
                     self._step()
                 if self.abandoned:
@@ -351,6 +366,18 @@ class EngineBridge:
                 self.engine.stop()
             except Exception:
                 log.exception("engine failed to stop cleanly")
+
+    def _gather_wait(self, sync_q: Any, wait: float) -> tuple[float, list[tuple[int, int, Any]]] | None:
+        """Wait up to ``wait`` for the frames due within the coming step (``batcher.Gather``),
+        blocked on the queue: the entry that ended the wait, or None (the time is up)."""
+        started = time.monotonic()
+        try:
+            return sync_q.get(timeout=wait)  # type: ignore[no-any-return]
+        except janus.SyncQueueEmpty:
+            return None
+        finally:
+            self.counts.gather_waits += 1  # per wait: a step may wait in a few pieces
+            self.counts.gather_wait_s += time.monotonic() - started
 
     def _take_all(self, entry: tuple[float, list[tuple[int, int, Any]]]) -> bool:
         """Apply one queue entry (a loop iteration's items); True means stop."""
@@ -452,6 +479,8 @@ class EngineBridge:
             log.exception("engine step failed for %d sessions", len(slots))
             self._restart("step_failed" if self.engine.alive() else "engine_died")
             return
+        if self.gather is not None:
+            self.gather.stepped(self.step_started, time.monotonic())
         self.step_started = 0.0
         out = StepOutput(slots, generations, result.audio, result.text, finished=result.finished)
         out.duration_s = time.perf_counter() - started

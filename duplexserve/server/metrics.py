@@ -90,6 +90,10 @@ class ServerCollector(Collector):
             ("engine_frames", "frames the engine stepped", bridge.frames_stepped),
             ("engine_catchup_steps", "clock steps for frames that missed their tick", bridge.catch_up_steps),
             ("engine_catchup_frames", "frames that missed their tick", bridge.catch_up_frames),
+            ("engine_gather_waits", "waits of a step for frames due within it (--engine-gather)",
+             bridge.gather_waits),
+            ("engine_gather_wait_seconds", "time steps waited for frames due within them",
+             bridge.gather_wait_s),
             ("engine_errors", "engine failures", bridge.engine_errors),
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):

@@ -60,6 +60,7 @@ class Orchestrator:
         engine_factory: Callable[[], Engine] | None = None,
         coalesce_ms: float = 0.0,
         tick_ms: float = 0.0,
+        gather: bool = False,
         resume_grace_s: float = 0.0,
         max_detached: int = -1,
         late_frame_ms: float = 200.0,
@@ -82,6 +83,7 @@ class Orchestrator:
         self._queue_size = queue_size
         self._coalesce_s = coalesce_ms / 1000.0
         self._tick_s = tick_ms / 1000.0
+        self._gather = gather
         self.bridge = self._new_bridge(engine)
         self.draining = False
         self._per_client: collections.Counter[str] = collections.Counter()
@@ -117,6 +119,7 @@ class Orchestrator:
             counts=counts,
             coalesce_s=self._coalesce_s,
             tick_s=self._tick_s,
+            gather=self._gather,
             on_deliver=self._observe_delivery,
         )
 
