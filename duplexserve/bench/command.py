@@ -53,6 +53,9 @@ BENCHMARKS = {
         add="add_rtf_arguments",
         run="cmd_rtf",
     ),
+    "moshi-restart": Benchmark(
+        "moshi_restart", "moshi engine: the engine process killed under load, time until sessions run again"
+    ),
     "moshi-prompts": Benchmark(
         "moshi_prompt", "moshi engine: a PersonaPlex prompt's prefill against the step", run="main"
     ),

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -223,15 +223,20 @@ async def one_session(
             await ws.send(json.dumps({"type": "input.end"}))
 
         task = asyncio.create_task(sender())
-        async for message in ws:
-            if isinstance(message, bytes):
-                received.append(time.perf_counter())
-            else:
-                event = json.loads(message)
-                if event["type"] == "error":
-                    result["error"] = event
-                elif event["type"] == "session.closed":
-                    result["closed"] = event
+        try:
+            async for message in ws:
+                if isinstance(message, bytes):
+                    received.append(time.perf_counter())
+                else:
+                    event = json.loads(message)
+                    if event["type"] == "error":
+                        result["error"] = event
+                    elif event["type"] == "session.closed":
+                        result["closed"] = event
+        except BaseException:  # closed with an error (after its event, if one came)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         await task
     recv = np.array(received[:n])  # the answers to the input; after them, input.end's tail
     result["send_late"] = send_late
@@ -353,7 +358,7 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
     done = await asyncio.gather(*tasks, return_exceptions=True)
     for r, d in zip(results, done, strict=True):
         if isinstance(d, BaseException):
-            r["error"] = repr(d)
+            r.setdefault("error", repr(d))  # the server's error event, if it sent one
     return results
 
 
@@ -388,7 +393,10 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def cmd_rtf(args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def started_server(args: argparse.Namespace) -> Iterator[tuple[subprocess.Popen[bytes], float, str]]:
+    """The server ``args`` describe, started and ready: (process, seconds to ready, its
+    ``duplexserve serve`` command, printed); stopped on leaving."""
     port = args.port
     serve = serve_arguments(args)
     serve_command = shlex.join(["duplexserve", *serve])
@@ -406,15 +414,7 @@ def cmd_rtf(args: argparse.Namespace) -> None:
                 break
             except OSError:
                 time.sleep(0.5)
-        startup = time.perf_counter() - t
-        # a JSON line a run, written as it ends (a cut-off call keeps the runs done)
-        with open(args.out or os.devnull, "w") as out:
-            for sessions in args.sessions:  # each count R times, all on this one server
-                for _ in range(args.runs):
-                    summary = _run_once(args, sessions, port, proc.pid, startup)
-                    out.write(json.dumps({**summary, "serve": serve_command}) + "\n")
-                    out.flush()
-                    startup = 0.0  # the server's start counts in the first run's line only
+        yield proc, time.perf_counter() - t, serve_command
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -422,6 +422,17 @@ def cmd_rtf(args: argparse.Namespace) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def cmd_rtf(args: argparse.Namespace) -> None:
+    # a JSON line a run, written as it ends (a cut-off call keeps the runs done)
+    with started_server(args) as (proc, startup, serve_command), open(args.out or os.devnull, "w") as out:
+        for sessions in args.sessions:  # each count R times, all on this one server
+            for _ in range(args.runs):
+                summary = _run_once(args, sessions, args.port, proc.pid, startup)
+                out.write(json.dumps({**summary, "serve": serve_command}) + "\n")
+                out.flush()
+                startup = 0.0  # the server's start counts in the first run's line only
 
 
 def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, startup: float) -> dict:
