@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The memory floor and the restart on the H200 (issue 56; docs/moshi-engine.md, "Gathering",
+# and docs/benchmarks.md). Runs on the GPU host from the repository root; wheels in .whl/
+# are installed first, as scripts/bench-moshi-h200.sh does. Results go to $OUT.
+# Usage: scripts/bench-floor-h200.sh STEP...
+#   zero3b-int8-N[,M]   Hibiki-Zero 3B, 8-bit KV, N (then M) sessions of 60 s on one server
+#   zero3b-bf16-N       Hibiki-Zero 3B, bf16 KV
+#   hibiki2b-bf16-N     Hibiki 2B, bf16 KV
+#   ...-off             the same with --engine-gather off (stepping at once, as before)
+#   ...-xR              R runs one after another on the same server
+#   restart-N           Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed 20 s in
+set -uo pipefail
+OUT="${OUT:-bench-out}"; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  IFS=- read -r -a parts <<<"$step"
+  log="$OUT/${step//,/_}.log"
+  case "${parts[0]}" in
+    zero3b) preset=hibiki-zero-3b ;;
+    hibiki2b) preset=hibiki-2b ;;
+    restart)
+      python3 -m duplexserve bench moshi-restart --preset hibiki-zero-3b --kv-dtype int8 --engine-process \
+        --sessions "${parts[1]}" --seconds 45 --kill-at 20 --server-log "$log" --out "$OUT/restart.jsonl"
+      grep -h "engine ready\|engine restart" "$log" | cut -c1-700
+      continue ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  flags=(--kv-dtype "${parts[1]}" --sessions "${parts[2]}" --seconds 60 --engine-process)
+  for extra in "${parts[@]:3}"; do
+    [ "$extra" = off ] && flags+=(--engine-gather off)
+    [[ "$extra" == x[0-9]* ]] && flags+=(--runs "${extra#x}")
+  done
+  python3 -m duplexserve bench moshi-rtf --preset "$preset" "${flags[@]}" --server-log "$log" --out "$OUT/rtf.tmp"
+  python3 -c "import json,sys
+for line in open(sys.argv[1]): print(json.dumps({'step': sys.argv[2], **json.loads(line)}))" "$OUT/rtf.tmp" "$step" >>"$OUT/rtf.jsonl"
+  rm -f "$OUT/rtf.tmp"
+  grep -h "engine ready\|engine memory" "$log" | cut -c1-700
+done
+echo "=== done $(date +%T)"
