@@ -273,6 +273,17 @@ def test_compose_scale_spreads_sessions_over_both_replicas(stack) -> None:
     wait_for("sessions to close", lambda: counts(stack) == (0, 0), timeout=10)
 
 
+def test_compose_replicas_share_a_writable_compiler_cache(stack) -> None:
+    """torch.compile's, Triton's and CUDA's caches point at /cache, a named volume both
+    replicas mount, writable by the server's user: a restarted engine compiles nothing again."""
+    probe = ("import os; d = [os.environ[k] for k in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR', "
+             "'CUDA_CACHE_PATH')]; assert all(p.startswith('/cache/') for p in d), d; "
+             "[os.makedirs(p, exist_ok=True) for p in d]; open(d[0] + '/probe', 'w').write(str(os.getuid()))")
+    stack.run("exec", "-T", "duplexserve", "python3", "-c", probe)
+    seen = stack.run("exec", "-T", "duplexserve-1", "cat", "/cache/inductor/probe").stdout
+    assert seen == "10001"
+
+
 def test_compose_scale_sends_sessions_past_a_full_replica(stack) -> None:
     async def main() -> None:
         # Fill duplexserve directly, where nginx cannot see it: only its 503 tells nginx.
