@@ -222,12 +222,12 @@ class ServerConfig:
         "H200 runs in docs/benchmarks.md)",
     )
     engine_gather: str = _opt(
-        "auto",
+        "off",
         "stepping at once: under load (a step over a quarter of a frame), let a step wait, up to "
         "its own duration, for the frames due within it, so one step serves the cohorts that "
-        "stepping at once would step apart (docs/architecture.md). auto: on for the moshi engine, "
-        "whose step costs its whole bucket of rows whatever frames it holds",
-        ("auto", "on", "off"),
+        "stepping at once would step apart, for an engine whose step costs its whole batch "
+        "whatever frames it holds (the moshi engine; docs/moshi-engine.md, Gathering)",
+        ("off", "on"),
     )
 
     # Admission and bounds.
@@ -421,11 +421,6 @@ class ServerConfig:
         if self.engine_process is not None:
             return self.engine_process
         return self.engine == "moshi" and self._on_gpu()
-
-    @property
-    def gathers(self) -> bool:
-        """``--engine-gather`` resolved: auto is on for the moshi engine."""
-        return self.engine_gather == "on" or (self.engine_gather == "auto" and self.engine == "moshi")
 
     def _on_gpu(self) -> bool:
         return self.device == "cuda" or (self.device == "auto" and os.path.exists("/dev/nvidiactl"))

@@ -612,9 +612,9 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--gather",
         "--engine-gather",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="the server's --engine-gather (auto, its default: on for the moshi engine)",
+        default="off",
+        choices=("off", "on"),
+        help="the server's --engine-gather (off, its default: step at once)",
     )
     r.add_argument(
         "--synthetic-step-ms",

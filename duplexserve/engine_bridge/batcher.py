@@ -168,18 +168,23 @@ class Gather:
     for it up to one step's duration before the next step instead costs it nothing and
     the frames already there at most that long, and the next step takes both cohorts.
 
-    So after a step of duration ``d``, the next one waits until ``d`` after it ended (at
-    most until a frame period after it started, so steps never fall behind the senders),
-    and no longer than some open session without a pending frame is due (its schedule:
-    :meth:`SlotBatcher.expected_by`). The steps a frame period fall from about
-    ``period / d`` to about ``period / 2d``; a frame waits between ``d`` and ``3d`` for
-    its answer instead of between ``d`` and ``2d`` (tests/test_step_clock.py simulates
-    both). Below ``FLOOR`` of a frame a step is cheap: it steps at once, as before, and
-    latency under light load does not move.
+    So after a step of duration ``d``, the next one waits until ``w`` after it ended, and no
+    longer than some open session without a pending frame is due on its schedule
+    (:meth:`SlotBatcher.expected_by`). A frame then waits between ``d`` and ``2d + w`` for
+    its answer (at once: ``d`` and ``2d``), so a session that began on an idle engine, its
+    first answer after ``d``, sees later ones up to ``d + w`` later: ``w`` is ``d`` but at
+    most ``period - d - MARGIN``, which keeps that under a frame (an underrun, with a
+    playback buffer of one frame). The steps a frame period fall from about ``period / d``
+    to about ``period / (d + w)`` (tests/test_step_clock.py simulates both). Below
+    ``FLOOR`` of a frame a step is cheap: it steps at once, as before, and latency under
+    light load does not move.
     """
 
     #: Share of the frame period a step must take (recently) before steps wait.
     FLOOR = 0.25
+    #: What a session's answers may come later than its first one's without an underrun
+    #: (a frame, 80 ms), kept back for the senders' own lateness and the steps' spread.
+    MARGIN = 0.020
     #: Weight of the newest step in the recent step time.
     SMOOTHING = 0.2
 
@@ -192,10 +197,9 @@ class Gather:
         """A step ran from ``started`` to ``ended`` (``time.monotonic()``)."""
         duration = ended - started
         self.step_s = duration if not self.step_s else self.step_s + self.SMOOTHING * (duration - self.step_s)
-        if self.step_s < self.FLOOR * self.period:
-            self.deadline = -math.inf
-        else:
-            self.deadline = min(ended + self.step_s, started + self.period)
+        window = min(self.step_s, self.period - self.step_s - self.MARGIN)
+        loaded = self.step_s >= self.FLOOR * self.period
+        self.deadline = ended + window if loaded and window > 0 else -math.inf
 
     def wait(self, now: float, batcher: SlotBatcher) -> float:
         """0: step now; else wait at most this long (a frame that comes may end it sooner)."""

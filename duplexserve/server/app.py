@@ -82,7 +82,7 @@ class DuplexApp:
             engine_stall_s=config.engine_stall_s,
             coalesce_ms=config.engine_coalesce_ms,
             tick_ms=config.engine_tick_ms,
-            gather=config.gathers,
+            gather=config.engine_gather == "on",
             resume_grace_s=config.resume_grace_s,
             max_detached=config.max_detached,
             late_frame_ms=config.late_frame_ms,
