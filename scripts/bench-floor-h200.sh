@@ -6,7 +6,7 @@
 #   zero3b-int8-N[,M]   Hibiki-Zero 3B, 8-bit KV, N (then M) sessions of 60 s on one server
 #   zero3b-bf16-N       Hibiki-Zero 3B, bf16 KV
 #   hibiki2b-bf16-N     Hibiki 2B, bf16 KV
-#   ...-off             the same with --engine-gather off (stepping at once, as before)
+#   ...-on              the same with --engine-gather on (docs/moshi-engine.md, Gathering)
 #   ...-xR              R runs one after another on the same server
 #   restart-N           Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed 20 s in
 set -uo pipefail
@@ -33,7 +33,7 @@ for step in "$@"; do
   esac
   flags=(--kv-dtype "${parts[1]}" --sessions "${parts[2]}" --seconds 60 --engine-process)
   for extra in "${parts[@]:3}"; do
-    [ "$extra" = off ] && flags+=(--engine-gather off)
+    [ "$extra" = on ] && flags+=(--engine-gather on)
     [[ "$extra" == x[0-9]* ]] && flags+=(--runs "${extra#x}")
   done
   python3 -m duplexserve bench moshi-rtf --preset "$preset" "${flags[@]}" --server-log "$log" --out "$OUT/rtf.tmp"
