@@ -16,6 +16,9 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD"
 fi
+# Fail at once, not once per step, where a wheel the server imports is missing from .whl/.
+python3 -c "import fastapi, uvicorn, uvloop, prometheus_client, janus, soxr, sphn, websockets, moshi, torch
+import duplexserve.server.app" || { echo "preflight: an import failed; add its wheel to .whl/"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
 for step in "$@"; do
   echo "=== $step $(date +%T)"
