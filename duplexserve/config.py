@@ -184,6 +184,13 @@ class ServerConfig:
         None, "run the engine in a process of its own (shared memory), so its Python never holds the "
         "server's GIL (unset: on for the moshi engine on a GPU, off otherwise)"
     )
+    engine_spare: str = _opt(
+        "on",
+        "with the engine in a process of its own: keep a second one spawned, its imports done, "
+        "waiting, so that a restart after the engine process dies skips the spawn and the imports "
+        "(host memory of one idle process, no GPU memory; docs/moshi-engine.md, Start-up)",
+        ("off", "on"),
+    )
 
     # Codecs (docs/codecs.md says what runs where, and why).
     codec_threads: int = _opt(2, "threads for transcoding that releases the GIL (resampling above 96 kHz)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import websockets.asyncio.client
 
+from duplexserve.engine_bridge.process_engine import ENGINE_NAME, SPARE_NAME
 from tests.native_client import signal as noise
 from tests.test_reliability import POISON, echo_ok, frames_of, run, wait_for
 
@@ -166,8 +167,28 @@ def test_a_step_that_raises_ends_every_session_of_the_engine(server_factory):
     assert_served_again(server)
 
 
+def spawned_children(server_pid: int) -> dict[int, str]:
+    """The server's multiprocessing children (not its resource tracker): pid -> process name."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found[int(pid)] = name
+    return found
+
+
 def engine_child(server_pid: int) -> int:
-    """The engine process the server spawned (not multiprocessing's resource tracker)."""
+    """The engine process the server spawned (not its spare, nor multiprocessing's resource tracker)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -179,7 +200,9 @@ def engine_child(server_pid: int) -> int:
         except OSError:
             continue
         if ppid == server_pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            return int(pid)
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == ENGINE_NAME:
+                    return int(pid)
     raise AssertionError("no engine process found")
 
 
@@ -205,6 +228,35 @@ def test_the_engine_process_killed_ends_every_session_of_the_engine(server_facto
     assert ended(server, "engine_died") == 5
     assert "engine restart (cause: engine_died): 5 sessions" in server.log()
     assert_served_again(server)
+
+
+def test_a_spare_engine_process_takes_over_and_none_outlives_the_server(server_factory):
+    """The restart takes the spare (spawned, its imports done) and a new spare is spawned;
+    with --engine-spare off there is none; a stopped server leaves no engine process."""
+    server = server_factory("--engine-process", "--max-sessions", "4", "--log-level", "info")
+    wait_for(lambda: sorted(spawned_children(server.proc.pid).values()) == [ENGINE_NAME, SPARE_NAME],
+             what="the engine process and its spare")  # fmt: skip
+    first = spawned_children(server.proc.pid)
+    os.kill(engine_child(server.proc.pid), signal.SIGKILL)
+    assert_served_again(server)
+    assert "engine process ready in" in server.log() and "(a spare, imported before)" in server.log()
+    wait_for(lambda: sorted(spawned_children(server.proc.pid).values()) == [ENGINE_NAME, SPARE_NAME],
+             what="the spare as the engine, and a new spare")  # fmt: skip
+    now = spawned_children(server.proc.pid)
+    spare = next(pid for pid, name in first.items() if name == SPARE_NAME)
+    assert now[spare] == ENGINE_NAME  # the old spare is the engine now
+    children = list(now)
+    assert server.stop() == 0
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+
+    plain = server_factory(
+        "--engine-process", "--engine-spare", "off", "--max-sessions", "4", "--log-level", "info"
+    )
+    assert list(spawned_children(plain.proc.pid).values()) == [ENGINE_NAME]
+    os.kill(engine_child(plain.proc.pid), signal.SIGKILL)
+    assert_served_again(plain)
+    assert "(spawn and imports" in plain.log().split("engine restart")[1]
+    assert list(spawned_children(plain.proc.pid).values()) == [ENGINE_NAME]
 
 
 def test_a_stalled_engine_is_replaced_and_every_session_of_it_ends(server_factory):

@@ -389,6 +389,7 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
         *(["--engine-process"] if args.engine_process else []),
         *(["--engine-tick-ms", f"{args.tick_ms:g}"] if args.tick_ms != defaults.engine_tick_ms else []),
         *(["--engine-gather", args.gather] if args.gather != defaults.engine_gather else []),
+        *(["--engine-spare", args.spare] if args.spare != defaults.engine_spare else []),
         "--port", str(args.port), "--idle-timeout-s", "120",
     ]  # fmt: skip
 
@@ -615,6 +616,13 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
         default="off",
         choices=("off", "on"),
         help="the server's --engine-gather (off, its default: step at once)",
+    )
+    r.add_argument(
+        "--spare",
+        "--engine-spare",
+        default="on",
+        choices=("off", "on"),
+        help="the server's --engine-spare (on, its default: a restart takes a spare engine process)",
     )
     r.add_argument(
         "--synthetic-step-ms",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import urllib.request
 import numpy as np
 
 from duplexserve.bench.moshi import FRAME, add_rtf_arguments, one_session, run_clients, started_server
+from duplexserve.engine_bridge.process_engine import ENGINE_NAME
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_pid(server_pid: int) -> int | None:
-    """The process holding the GPU (the engine process), else the server's largest child."""
+    """The process holding the GPU (the engine process), else the child named as the engine
+    process (not its spare), else the server's largest child."""
     try:
         listed = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
@@ -42,6 +45,10 @@ def engine_pid(server_pid: int) -> int | None:
     for pid in map(int, listed):
         if pid in children:
             return pid
+    for pid in children:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() == ENGINE_NAME:
+                return pid
     sizes = {pid: _rss(pid) for pid in children}
     return max(sizes, key=sizes.__getitem__) if sizes else None
 

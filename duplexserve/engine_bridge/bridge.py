@@ -324,8 +324,8 @@ class EngineBridge:
                 if not batcher.pending and not self._prompts:  # idle: block for work, let a batch gather
                     try:
                         entry = sync_q.get(timeout=_ALIVE_CHECK_S)
-                    except janus.SyncQueueEmpty:  # idle sessions learn of a dead engine too
-                        if self._open and not self.engine.alive():
+                    except janus.SyncQueueEmpty:  # idle sessions learn of a dead engine too, and
+                        if not self.engine.alive():  # with none, /ready says so until it is back
                             self._restart("engine_died")
                         continue
                     if self._take_all(entry):
@@ -395,6 +395,8 @@ class EngineBridge:
         if payload is _STOP:
             return True
         if payload.__class__ is Open:
+            if not self.engine.alive():  # died since the last check: the session opens on the next
+                self._restart("engine_died")
             self._batcher.open(slot, generation)
             self._open[slot] = generation
             try:
@@ -517,7 +519,7 @@ class EngineBridge:
             slots, generations = np.fromiter(lost, np.int64), np.fromiter(lost.values(), np.int64)
             self._publish(StepOutput(slots, generations, None, {}, "engine_error"))
         try:
-            self.engine.stop()
+            self.engine.discard()
         except Exception:
             log.exception("engine failed to stop before its restart")
         delay = 0.1

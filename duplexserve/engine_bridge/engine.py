@@ -111,3 +111,7 @@ class Engine(ABC):
 
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Runs on the engine thread."""
+
+    def discard(self) -> None:
+        """Stop after a failure, ``start()`` to follow: what a restart can reuse may stay."""
+        self.stop()

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
 import multiprocessing as mp
+import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -37,6 +39,8 @@ from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
 
 log = logging.getLogger(__name__)
+#: The engine process's name in ``ps`` and ``/proc/PID/comm`` (15 characters at most), and the spare's.
+ENGINE_NAME, SPARE_NAME = "ds-engine", "ds-engine-spare"
 
 
 class EngineProcessError(RuntimeError):
@@ -55,35 +59,58 @@ class ProcessEngine(Engine):
         self._shm: list[SharedMemory] = []
         self._lost = False
         self._posted: list[tuple[Any, ...]] = []  # commands waiting for the next call
+        self._spare: tuple[mp.process.BaseProcess, Connection] | None = None  # --engine-spare
 
     def start(self) -> None:
-        size = self.num_slots * self.frame_samples * 4
-        self._shm = [SharedMemory(create=True, size=size) for _ in range(2)]
-        shape = (self.num_slots, self.frame_samples)
-        self._in = np.ndarray(shape, np.float32, buffer=self._shm[0].buf)
-        self._out = np.ndarray(shape, np.float32, buffer=self._shm[1].buf)
+        if not self._shm:
+            size = self.num_slots * self.frame_samples * 4
+            self._shm = [SharedMemory(create=True, size=size) for _ in range(2)]
+            shape = (self.num_slots, self.frame_samples)
+            self._in = np.ndarray(shape, np.float32, buffer=self._shm[0].buf)
+            self._out = np.ndarray(shape, np.float32, buffer=self._shm[1].buf)
         self.input_buffer = self._in  # the bridge gathers each batch straight into shared memory
-        ctx = mp.get_context("spawn")  # never fork a process that holds threads (or CUDA)
+        began = time.perf_counter()
         try:
-            parent, child = ctx.Pipe()
-            self._proc = ctx.Process(
-                target=_child_main,
-                args=(child, self._config, [s.name for s in self._shm]),
-                name="duplexserve-engine",
-                daemon=True,
-            )
-            self._proc.start()
+            spare, self._spare = self._spare, None
+            if spare is not None and not spare[0].is_alive():
+                _end(*spare)
+                spare = None
+            self._proc, self._conn = spare or self._spawn()  # a spare's imports are done
             self._lost = False
-            child.close()
-            self._conn = parent
             # The child's engine says what input.end takes and whether sessions take prompts.
-            self.tail, self.takes_prompts, self.voices = self._call(("start",))
+            self.tail, self.takes_prompts, self.voices, imported = self._call(("start",))
         except BaseException:
             # A refused start (the memory plan, a missing checkpoint) stops the child, which
             # stops its half-built engine, and unlinks the buffers: a daemon child killed at
             # exit and buffers left linked were the resource tracker's "leaked" warnings.
             self.stop()
             raise
+        log.info(
+            "engine process ready in %.1f s (%s)", time.perf_counter() - began,
+            "a spare, imported before" if spare is not None else f"spawn and imports {imported:.1f} s",
+        )  # fmt: skip
+        if self._config.engine_spare == "on":
+            self._spare = self._spawn()  # imports while this one serves; waits for a restart
+
+    def _spawn(self) -> tuple[mp.process.BaseProcess, Connection]:
+        """A child on the buffers, importing what its engine's start needs, then waiting."""
+        ctx = mp.get_context("spawn")  # never fork a process that holds threads (or CUDA)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_child_main,
+            args=(child, self._config, [s.name for s in self._shm], time.time()),
+            name="duplexserve-engine",
+            daemon=True,
+        )
+        try:
+            proc.start()
+        finally:
+            child.close()
+        return proc, parent
+
+    def discard(self) -> None:
+        """After a failure: this child goes, the spare and the buffers stay for ``start()``."""
+        self._stop_child()
 
     def _post(self, message: tuple[Any, ...]) -> None:
         """Send ``message`` with the next call (see above)."""
@@ -137,25 +164,45 @@ class ProcessEngine(Engine):
         return StepResult(self._out[:n].copy(), text, finished)
 
     def stop(self) -> None:
+        self._stop_child()
+        if self._spare is not None:
+            _end(*self._spare)
+            self._spare = None
+        self.input_buffer = None
+        for shm in self._shm:
+            shm.close()
+            shm.unlink()
+        self._shm = []
+
+    def _stop_child(self) -> None:
         try:
             if self._conn is not None and self._proc is not None and self._proc.is_alive():
                 self._call(("stop",))
         except EngineProcessError:
             pass
         if self._proc is not None:
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self.input_buffer = None
+            _end(self._proc, self._conn)
         self._posted = []  # for the child that is gone: a new one starts with no slot open
-        for shm in self._shm:
-            shm.close()
-            shm.unlink()
-        self._shm = []
-        self._conn = None
+        self._proc = self._conn = None
+
+
+def _end(proc: mp.process.BaseProcess, conn: Connection | None) -> None:
+    """Wait for a child told to stop (a spare stops when its pipe closes), else kill it."""
+    if conn is not None:
+        conn.close()
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def _name_process(name: str) -> None:
+    """What ``ps``, ``top`` and ``/proc/PID/comm`` call this process (Linux; elsewhere nothing)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:
+        pass
 
 
 def _attach(name: str) -> SharedMemory:
@@ -167,11 +214,19 @@ def _attach(name: str) -> SharedMemory:
         return SharedMemory(name=name)
 
 
-def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) -> None:
-    """The engine process: build the engine, then serve commands until stop or EOF."""
+def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], spawned: float) -> None:
+    """The engine process: import what the engine's start needs, wait for ``start``, build
+    the engine, then serve commands until stop or EOF (a spare waits here until a restart)."""
     from duplexserve.engine_bridge.factory import build_engine
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
+    _name_process(SPARE_NAME)
+    if config.engine == "moshi":
+        from duplexserve.engine_bridge.moshi.engine import START_IMPORTS
+
+        for name in START_IMPORTS:
+            importlib.import_module(name)
+    imported = time.time() - spawned  # from the parent's spawn: the start a spare saves
     shms = [_attach(name) for name in shm_names]
     shape = (config.max_sessions, 1920)
     frames_in = np.ndarray(shape, np.float32, buffer=shms[0].buf)
@@ -206,11 +261,12 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     assert engine is not None
                     conn.send(("ok", engine.prompt_cached(message[1])))
                 elif kind == "start":
+                    _name_process(ENGINE_NAME)
                     engine = build_engine(config)
                     engine.start()
                     gc.collect()  # then torch and the model stay out of every later
                     gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)
-                    conn.send(("ok", (engine.tail, engine.takes_prompts, engine.voices)))
+                    conn.send(("ok", (engine.tail, engine.takes_prompts, engine.voices, imported)))
                 elif kind == "stop":
                     conn.send(("ok", None))
                     return

@@ -51,6 +51,23 @@ log = logging.getLogger(__name__)
 #: A step longer than a frame (and twice the mean) makes every live session's answer late past a
 #: one-frame playback buffer: it is logged with what it did.
 SLOW_STEP_S = 0.08
+#: What ``start()`` imports: a spare engine process imports them before it waits
+#: (process_engine.py), so that a restart does not (torch and Triton alone take seconds).
+START_IMPORTS = (
+    "torch",
+    "moshi.models",
+    "moshi.run_inference",
+    "moshi.utils.compile",
+    "duplexserve.engine_bridge.moshi.fused_norm",
+    "duplexserve.engine_bridge.moshi.lean_depformer",
+    "duplexserve.engine_bridge.moshi.live_lm",
+    "duplexserve.engine_bridge.moshi.live_mimi",
+    "duplexserve.engine_bridge.moshi.mimi_convs",
+    "duplexserve.engine_bridge.moshi.prefill",
+    "duplexserve.engine_bridge.moshi.row_buckets",
+    "duplexserve.engine_bridge.moshi.row_reset",
+    "duplexserve.engine_bridge.moshi.user_steps",
+)
 
 
 @dataclass(frozen=True)
