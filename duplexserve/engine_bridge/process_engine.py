@@ -169,7 +169,7 @@ def _attach(name: str) -> SharedMemory:
 
 def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) -> None:
     """The engine process: build the engine, then serve commands until stop or EOF."""
-    from duplexserve.engine_bridge.factory import build_engine
+    from duplexserve.engine_bridge.local import build_local_engine
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
     shms = [_attach(name) for name in shm_names]
@@ -206,7 +206,7 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str]) ->
                     assert engine is not None
                     conn.send(("ok", engine.prompt_cached(message[1])))
                 elif kind == "start":
-                    engine = build_engine(config)
+                    engine = build_local_engine(config)
                     engine.start()
                     gc.collect()  # then torch and the model stay out of every later
                     gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)

@@ -223,9 +223,10 @@ class WebRTCCalls:
         if self._clock is None:
             self._clock = PlayClock(asyncio.get_running_loop())
         call = WebRTCCall(scope, self.config, call_id, self._clock)
-        adapter = RealtimeConnection(
-            call, self.orch, self.config, self.codec_pool, self.codec_procs, name="webrtc", session_config=config
-        )  # the Realtime protocol on this call
+        adapter = RealtimeConnection(  # the Realtime protocol on this call
+            call, self.orch, self.config, self.codec_pool, self.codec_procs,
+            name="webrtc", session_config=config,
+        )  # fmt: skip
         call.attach(pc, opus, webrtc_peer.packet_ms(offer, self.config.webrtc_packet_ms))
         task = asyncio.create_task(self._serve(call, adapter), name=f"webrtc-{call_id}")
         self._tasks.add(task)

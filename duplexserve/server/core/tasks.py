@@ -29,7 +29,9 @@ class TaskDriver:
     """Subclasses may read their own way (``read_loop``); ``receive`` gives the next
     message, None once the client is gone."""
 
-    def __init__(self, adapter: ProtocolAdapter, receive: Callable[[], Awaitable[bytes | str | None]]) -> None:
+    def __init__(
+        self, adapter: ProtocolAdapter, receive: Callable[[], Awaitable[bytes | str | None]]
+    ) -> None:
         self.adapter: ProtocolAdapter | None = adapter
         self._receive = receive
         self._loop = asyncio.get_running_loop()

@@ -104,7 +104,9 @@ class WebRTCCall:
 
     media = True
 
-    def __init__(self, scope: dict[str, Any], config: ServerConfig, call_id: str, clock: PlayClock | None = None):
+    def __init__(
+        self, scope: dict[str, Any], config: ServerConfig, call_id: str, clock: PlayClock | None = None
+    ) -> None:
         self.scope = scope
         self.config = config
         self.call_id = call_id

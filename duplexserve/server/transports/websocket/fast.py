@@ -73,7 +73,9 @@ class FastPath:
         self._encoder_lost = False  # its codec worker died: audio is skipped, the close goes out
         self._abort_timer: asyncio.TimerHandle | None = None
 
-    async def _serve_fast(self, adapter: ProtocolAdapter, session: Session, sock: FastWebSocketProtocol) -> None:
+    async def _serve_fast(
+        self, adapter: ProtocolAdapter, session: Session, sock: FastWebSocketProtocol
+    ) -> None:
         self._sock = sock
         self.send_bytes_now, self.send_text_now = sock.send_bytes, sock.send_text  # render_now's
         self._done, self._gone = self._loop.create_future(), self._loop.create_future()

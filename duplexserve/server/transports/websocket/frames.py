@@ -115,7 +115,7 @@ class FrameReader:
     def next(self) -> tuple[bytes, bool] | Oversized | object | None:
         """One message ``(payload, is_text)``, an :class:`Oversized`, :data:`HANDED`, or None
         until more bytes come. Frames go to websockets one at a time also while the
-        connection closes, so that its owner can stop after any of them (server/transports/websocket/budgets.py)."""
+        connection closes, so that its owner can stop after any of them (budgets.py)."""
         buf, pos = self._buf, self.pos
         avail = len(buf) - pos
         if avail < 2:

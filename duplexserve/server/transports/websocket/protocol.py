@@ -14,9 +14,10 @@ then on
   ``on_writable`` is called when it drains again;
 - ``on_lost`` is called once when the connection is gone.
 
-Frames are read by :class:`duplexserve.server.transports.websocket.frames.FrameReader` (the common data
-frame here, everything else by websockets), in slices and within the connection's budgets
-(:class:`duplexserve.server.transports.websocket.budgets.MeteredProtocol`). The subclass reads internals of both
+Frames are read by :class:`~duplexserve.server.transports.websocket.frames.FrameReader` (the
+common data frame here, everything else by websockets), in slices and within the
+connection's budgets (:class:`~duplexserve.server.transports.websocket.budgets.MeteredProtocol`).
+The subclass reads internals of both
 libraries (the attributes and methods listed below); :func:`fast_path_problem` checks
 once at start-up that the installed versions have them, and the server falls back to
 uvicorn's own ``websockets-sansio`` protocol when they do not. An app that does not
@@ -96,7 +97,7 @@ def fast_path_problem() -> str | None:
 
 
 def fallback_problem() -> str | None:
-    """The same for :class:`~duplexserve.server.transports.websocket.fallback.SansIOFallback`, which reads less."""
+    """The same for :class:`~.fallback.SansIOFallback`, which reads less."""
     return _lacking(METERED_STATE, METERED_METHODS, (), METERED_WEBSOCKETS_METHODS)
 
 
