@@ -287,7 +287,7 @@ def test_a_client_that_reads_no_replies_is_closed_slow_consumer(server_factory):
 
 # ---------------------------------------------------------- the slicer, alone
 def test_the_fallback_cuts_a_stream_after_whole_frames_and_counts_control_frames():
-    """ws_fallback.FrameCounter, which slices reads for uvicorn's protocol: fed the stream
+    """fallback.FrameCounter, which slices reads for uvicorn's protocol: fed the stream
     in pieces of any size, it cuts only after whole frames (or, for a frame still coming,
     after what came), never after more than it was allowed, and counts what it saw."""
     import random

@@ -2,7 +2,7 @@
 
 So that the ``openai`` SDK, pipecat and LiveKit work unchanged. Audio arrives as
 base64 in ``input_audio_buffer.append`` and leaves as ``response.output_audio.delta``,
-pcm16 at 24 kHz or G.711. The model speaks continuously; :mod:`realtime_responses`
+pcm16 at 24 kHz or G.711. The model speaks continuously; :mod:`.responses`
 cuts its speech into responses (docs/protocols.md says how).
 
 Ordering: the reader validates client events and answers at once where the answer

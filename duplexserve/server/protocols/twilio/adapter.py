@@ -1,7 +1,7 @@
 """Twilio Media Streams at ``/v1/twilio``: phone calls on the same session core.
 
 ``<Connect><Stream url="wss://host/v1/twilio">`` makes Twilio open a WebSocket and
-stream the call as JSON text (:mod:`twilio_wire` has the shapes): ``connected``,
+stream the call as JSON text (:mod:`.wire` has the shapes): ``connected``,
 ``start``, a ``media`` message of 20 ms mu-law at 8 kHz every 20 ms, ``dtmf``, ``mark``
 echoes and ``stop``. Inbound mu-law is gathered into whole 80 ms model frames (640
 bytes) and decoded inline (G.711 table, soxr 8 -> 24 kHz): one conversion per frame, not

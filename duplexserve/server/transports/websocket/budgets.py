@@ -45,7 +45,7 @@ DROP_LINGER_S = 2.0
 
 #: What :class:`MeteredProtocol` reads of uvicorn's ``WebSocketsSansIOProtocol`` (state set in
 #: its ``__init__``, methods it overrides or calls) and of websockets' ``ServerProtocol``;
-#: checked once at start-up (ws_protocol.py).
+#: checked once at start-up (protocol.py).
 METERED_STATE = (
     "loop", "queue", "conn", "client", "handshake_initiated", "handshake_complete", "close_sent",
     "close_timer", "read_paused",

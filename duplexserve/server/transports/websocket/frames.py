@@ -43,7 +43,7 @@ HANDED = object()
 def _fragment_size_attribute() -> str | None:
     """The name under which websockets keeps the size of the fragmented message being
     received (None outside one): ``current_size`` from 16.0, ``cur_size`` in 13 to 15.
-    None if this version has neither, and then the fast path is not used (ws_protocol.py)."""
+    None if this version has neither, and then the fast path is not used (protocol.py)."""
     conn = ServerProtocol()
     for name in ("current_size", "cur_size"):
         if name in vars(conn) and getattr(conn, name) is None:

@@ -70,7 +70,7 @@ def _ignore(*_: Any) -> None:
 
 
 #: What the subclass reads of uvicorn's ``WebSocketsSansIOProtocol`` beyond the asyncio
-#: protocol interface and what its base reads (``ws_budgets.METERED_*``): instance state
+#: protocol interface and what its base reads (``budgets.METERED_*``): instance state
 #: set in ``__init__``, and the methods it overrides or calls.
 UVICORN_STATE = (
     *METERED_STATE, "config", "disconnected", "close_timeout", "writable", "frames", "curr_msg_data_type",
