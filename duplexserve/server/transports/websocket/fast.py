@@ -179,9 +179,11 @@ class FastPath:
 
     def _lane_done(self, _: asyncio.Task[None] | None) -> None:
         self._lane = None
-        backlog = self._backlog
         adapter = self.adapter
-        while backlog and self._lane is None and adapter is not None and not adapter.replaced:
+        if adapter is None:  # the connection ended (and released) meanwhile
+            return
+        backlog = self._backlog
+        while backlog and self._lane is None and not adapter.replaced:
             self._on_message(backlog.popleft())
         if self._lane is None:
             self._wake_fast()
