@@ -44,7 +44,8 @@ class ServerConfig:
     ws: str = _opt(
         "fast",
         "WebSocket implementation: fast (uvicorn's sans-I/O protocol with our callback fast path,"
-        " server/ws_protocol.py) or one of uvicorn's own, over plain ASGI (docs/benchmarks.md)",
+        " server/transports/websocket/protocol.py) or one of uvicorn's own, over plain ASGI"
+        " (docs/benchmarks.md)",
         ("fast", "websockets-sansio", "websockets"),
     )
     log_level: str = _opt("info", "log level", ("critical", "error", "warning", "info", "debug"))

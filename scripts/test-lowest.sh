@@ -11,7 +11,7 @@ VENV=.venv-lowest
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -c <(.venv/bin/python scripts/lowest_constraints.py) -e .
 "$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^(fastapi|uvicorn|uvloop|websockets|janus|numpy|prometheus.client|soxr|sphn|starlette) '
-"$VENV/bin/python" -c "from duplexserve.server.ws_protocol import fast_path_problem as p; print('fast path:', p() or 'on')"
+"$VENV/bin/python" -c "from duplexserve.server.transports.websocket.protocol import fast_path_problem as p; print('fast path:', p() or 'on')"
 DUPLEXSERVE_TEST_SERVER_PYTHON="$PWD/$VENV/bin/python" .venv/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_native_protocol.py tests/test_realtime_protocol.py tests/test_moshi_protocol.py \
   tests/test_twilio.py tests/test_twilio_bad_input.py tests/test_resume.py tests/test_reliability.py \

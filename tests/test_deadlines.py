@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 
-from duplexserve.server.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals, percentiles
+from duplexserve.server.core.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals, percentiles
 from tests.native_client import converse
 from tests.native_client import signal as noise
 

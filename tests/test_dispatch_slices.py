@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from duplexserve.server import orchestrator as orchestrator_module
+from duplexserve.server.core import orchestrator as orchestrator_module
 from tests.native_client import converse, signal
 from tests.test_opus_fastpath import InProcessServer
 

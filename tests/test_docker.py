@@ -143,7 +143,7 @@ def test_compose_cpu_override_runs_the_cpu_image_without_a_gpu() -> None:
 
 
 def test_compose_turn_override_adds_coturn_and_gives_the_servers_its_relay() -> None:
-    from duplexserve.server.webrtc_peer import parse_ice_servers, stun_for_browsers
+    from duplexserve.server.transports.webrtc.peer import parse_ice_servers, stun_for_browsers
 
     env = {"DUPLEXSERVE_TURN_HOST": "203.0.113.7", "DUPLEXSERVE_TURN_PASSWORD": "s3cret"}
     services = compose_config("scale", env=env, cpu=True, turn=True)["services"]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from duplexserve.server.eager import run_eager
+from duplexserve.server.core.eager import run_eager
 
 
 def test_a_coroutine_that_never_waits_finishes_on_the_spot() -> None:

@@ -16,7 +16,7 @@ import websockets.asyncio.client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from duplexserve.server.session import Limits, Session
+from duplexserve.server.core.session import Limits, Session
 from tests.native_client import signal
 
 FATAL = {"invalid_audio": 1003, "invalid_json": 1007, "invalid_event": 1007, "message_too_big": 1009}

@@ -136,7 +136,7 @@ def test_a_forwarded_allow_ips_entry_that_is_no_address_is_refused_at_start(serv
 
 # ----------------------------------------------------------------------------------- WebRTC
 KEY = "sk-test-admission"
-MAX_CANDIDATES = 32  # server/webrtc.py's
+MAX_CANDIDATES = 32  # server/calls.py's
 
 
 class Sink(asyncio.DatagramProtocol):

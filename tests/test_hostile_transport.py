@@ -1,5 +1,5 @@
 """Hostile clients at the WebSocket transport: one connection never stalls the server and
-costs no more than its budgets (server/ws_budgets.py, Session's bound on replies).
+costs no more than its budgets (server/transports/websocket/budgets.py, Session's bound on replies).
 
 Each attack runs from a bare socket in a thread (raw_ws: nothing a library would refuse
 to send), while three honest duplex/1 sessions stream at real time beside it; their
@@ -287,12 +287,12 @@ def test_a_client_that_reads_no_replies_is_closed_slow_consumer(server_factory):
 
 # ---------------------------------------------------------- the slicer, alone
 def test_the_fallback_cuts_a_stream_after_whole_frames_and_counts_control_frames():
-    """ws_fallback.FrameCounter, which slices reads for uvicorn's protocol: fed the stream
+    """fallback.FrameCounter, which slices reads for uvicorn's protocol: fed the stream
     in pieces of any size, it cuts only after whole frames (or, for a frame still coming,
     after what came), never after more than it was allowed, and counts what it saw."""
     import random
 
-    from duplexserve.server.ws_fallback import FrameCounter
+    from duplexserve.server.transports.websocket.fallback import FrameCounter
 
     rng = random.Random(5)
     frames = [raw_ws.frame(rng.choice((0x81, 0x82, 0x89, 0x8A, 0x01, 0x80)), bytes(n))

@@ -112,3 +112,68 @@ def test_an_upward_import_inside_a_function_is_caught():
         "SessionError"
     ]
     assert violations(rules, path, "from duplexserve import errors\n") == []
+
+
+# ---------------------------------------------------------------- server/'s layers
+#: server/'s layers (docs/architecture.md, "server/ in layers"): what each may import
+#: of server/. The session core imports only itself; a protocol imports the core (the
+#: transport interface is core/transport.py), never a transport; a transport imports the
+#: core, never a protocol, nor another transport. ``helpers``: the modules at server/'s
+#: root that hold no wiring (request parsing, log hygiene), free to every layer but the core.
+HELPERS = {"auth", "log_redaction", "http_errors", "request_body"}
+LAYER_RULES = {
+    "core": {"core"},
+    "protocols": {"core", "protocols", *HELPERS},
+    "transports.websocket": {"core", "transports.websocket", *HELPERS},
+    "transports.webrtc": {"core", "transports.webrtc", *HELPERS},
+}
+
+
+def layer_of(module: str) -> str | None:
+    """``duplexserve.server.transports.webrtc.call`` -> ``transports.webrtc``; ``...server.app``
+    -> ``app``; None outside server/."""
+    names = module.split(".")
+    if names[:2] != ["duplexserve", "server"] or len(names) < 3:
+        return None
+    if names[2] == "transports" and len(names) > 3:
+        return f"transports.{names[3]}"
+    return names[2]
+
+
+def layer_violations(path: Path, source: str) -> list[str]:
+    module = module_name(path)
+    layer = layer_of(module)
+    allowed = LAYER_RULES.get(layer or "")
+    if allowed is None:
+        return []
+    bad = []
+    for line, target in imported(module, path.name == "__init__.py", source):
+        other = layer_of(target)
+        if other is not None and other not in allowed and target != "duplexserve.server.__init__":
+            bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {layer} imports {target}")
+    return bad
+
+
+def test_server_layers():
+    assert {layer_of(module_name(p)) for p in (PACKAGE / "server").rglob("*.py")} >= set(LAYER_RULES)
+    bad = [v for path in modules() for v in layer_violations(path, path.read_text())]
+    assert bad == []
+
+
+def test_a_layer_crossing_is_caught():
+    core = PACKAGE / "server" / "core" / "session.py"
+    protocol = PACKAGE / "server" / "protocols" / "native.py"
+    transport = PACKAGE / "server" / "transports" / "webrtc" / "call.py"
+    assert layer_violations(core, "def f():\n    from duplexserve.server.protocols import native\n") == [
+        "duplexserve/server/core/session.py:2: core imports duplexserve.server.protocols.native"
+    ]
+    assert layer_violations(core, "from duplexserve.server import auth\n") == [
+        "duplexserve/server/core/session.py:1: core imports duplexserve.server.auth"
+    ]
+    assert layer_violations(protocol, "from ..transports.websocket.fast import FastPath\n") == [
+        "duplexserve/server/protocols/native.py:1: protocols imports "
+        "duplexserve.server.transports.websocket.fast.FastPath"
+    ]
+    assert layer_violations(transport, "from duplexserve.server.protocols.realtime import adapter\n") != []
+    assert layer_violations(transport, "from duplexserve.server.transports.websocket import frames\n") != []
+    assert layer_violations(protocol, "from duplexserve.server.core.transport import Transport\n") == []

@@ -13,7 +13,7 @@ from duplexserve.bench.webrtc_cost import scrape
 from duplexserve.codecs.opus_rtp import RtpOpusDecoder, RtpOpusEncoder
 from duplexserve.loadgen.runner import LoadSpec, run_load
 from duplexserve.loadgen.webrtc_audio import EchoReplay, FrameAssembler, Piece
-from duplexserve.server.webrtc_peer import asked_ms, packet_ms, with_audio_attribute
+from duplexserve.server.transports.webrtc.peer import asked_ms, packet_ms, with_audio_attribute
 
 CALLS = "/v1/realtime/calls"
 #: A deep jitter buffer (500 ms): client and server share a loaded machine, and a stall of

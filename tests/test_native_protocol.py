@@ -74,7 +74,7 @@ def test_text_deltas_are_aligned_with_output_frames(echo_server):
 def test_text_delta_is_what_json_dumps_writes():
     import json
 
-    from duplexserve.server.native import text_delta
+    from duplexserve.server.protocols.native import text_delta
 
     for text in ("", " hello", 'quote " back\\slash', "é ünï \u2028 \x00 \U0001f600", "\n\t"):
         for frame in (0, 7, np.int64(123456)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from duplexserve.server.realtime_responses import Mode, Responses
+from duplexserve.server.protocols.realtime.responses import Mode, Responses
 
 SILENCE = 3
 

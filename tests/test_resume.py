@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import websockets.asyncio.client
 
-from duplexserve.server.resume import ResumeRegistry
-from duplexserve.server.session import Limits, Session
+from duplexserve.server.core.resume import ResumeRegistry
+from duplexserve.server.core.session import Limits, Session
 from tests.native_client import converse
 from tests.native_client import signal as noise
 from tests.resume_client import ResumingClient
@@ -415,7 +415,7 @@ def test_sixty_four_sessions_drop_and_resume_while_others_stream(server_factory)
 
 
 def test_registry_tokens_are_single_use_and_die_with_the_session():
-    """The token registry alone, without sockets (server/resume.py)."""
+    """The token registry alone, without sockets (server/core/resume.py)."""
     expired: list[Session] = []
     registry = ResumeRegistry(30.0, expired.append)
     session = Session("s", 0, 1, Limits())

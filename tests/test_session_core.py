@@ -12,8 +12,8 @@ from duplexserve.engine_bridge.batcher import FifoBatcher, SlotBatcher
 from duplexserve.engine_bridge.engine import Tail
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
 from duplexserve.errors import SessionError
-from duplexserve.server.events import AudioOut, ClosedOut, TextOut
-from duplexserve.server.session import Limits, Session, State
+from duplexserve.server.core.events import AudioOut, ClosedOut, TextOut
+from duplexserve.server.core.session import Limits, Session, State
 
 F = 1920
 CLOCKED = functools.partial(SlotBatcher, frame_s=0.08)  # the step clock's batcher

@@ -157,7 +157,7 @@ def test_bad_offers_get_400_and_bad_events_an_error_while_the_call_goes_on(serve
         async with httpx.AsyncClient(timeout=20) as http:
             bad = await http.post(calls, content="v=0\r\nthis is not sdp", headers=headers)
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_sdp"
-            from duplexserve.server import webrtc_peer
+            from duplexserve.server.transports.webrtc import peer as webrtc_peer
 
             pc = webrtc_peer.new_peer([])
             pc.createDataChannel("oai-events")  # a data channel and no audio

@@ -1,4 +1,4 @@
-"""The WebRTC calls' shared play clock (server/webrtc_clock.py), on a fake loop."""
+"""The WebRTC calls' shared play clock (server/transports/webrtc/clock.py), on a fake loop."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from duplexserve.server.webrtc_clock import MAX_CATCH_UP, PlayClock
+from duplexserve.server.transports.webrtc.clock import MAX_CATCH_UP, PlayClock
 
 
 class Handle:

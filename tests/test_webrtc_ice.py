@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from duplexserve.server.webrtc_peer import stun_for_browsers
+from duplexserve.server.transports.webrtc.peer import stun_for_browsers
 from tests.conftest import free_port
 
 TURNSERVER = shutil.which("turnserver")

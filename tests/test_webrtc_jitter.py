@@ -7,7 +7,14 @@ import pytest
 
 from duplexserve.codecs import opus_rtp
 from duplexserve.server.client_secrets import ClientSecrets
-from duplexserve.server.webrtc_jitter import CONCEAL, DECODE, FRAME_TS, PACKET_TS, RECOVER, JitterBuffer
+from duplexserve.server.transports.webrtc.jitter import (
+    CONCEAL,
+    DECODE,
+    FRAME_TS,
+    PACKET_TS,
+    RECOVER,
+    JitterBuffer,
+)
 
 BASE = 0xFFFFF000  # close to the 32-bit wrap: every test crosses it
 

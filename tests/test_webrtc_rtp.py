@@ -1,4 +1,4 @@
-"""The RTP both ways beside aiortc (server/webrtc_rtp.py): what it writes, aiortc reads as
+"""The RTP both ways beside aiortc (server/transports/webrtc/rtp.py): what it writes, aiortc reads as
 its own packets would read; what it cuts out of aiortc's packets is their payload."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ pytest.importorskip("aiortc")
 from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParameters
 from aiortc.rtp import HeaderExtensionsMap, RtpPacket
 
-from duplexserve.server.webrtc_rtp import MID_URI, one_byte_extension, rtp_header, rtp_payload
+from duplexserve.server.transports.webrtc.rtp import MID_URI, one_byte_extension, rtp_header, rtp_payload
 
 
 def _extensions_map(mid_id: int) -> HeaderExtensionsMap:

@@ -168,8 +168,12 @@ def test_the_fast_path_runs_where_the_libraries_have_what_it_reads(caplog, monke
     lowest versions pyproject admits too: scripts/test-lowest.sh); where one is missing the
     server serves on uvicorn's own protocol and says why, once."""
     from duplexserve.server import run as run_module
-    from duplexserve.server.ws_fallback import SansIOFallback
-    from duplexserve.server.ws_protocol import FastWebSocketProtocol, fallback_problem, fast_path_problem
+    from duplexserve.server.transports.websocket.fallback import SansIOFallback
+    from duplexserve.server.transports.websocket.protocol import (
+        FastWebSocketProtocol,
+        fallback_problem,
+        fast_path_problem,
+    )
 
     assert fast_path_problem() is None and fallback_problem() is None
     assert issubclass(run_module.websocket_protocol("fast"), FastWebSocketProtocol)

@@ -19,7 +19,7 @@ from websockets.frames import Opcode
 from websockets.server import ServerProtocol
 from websockets.uri import parse_uri
 
-from duplexserve.server.ws_frames import FIN_BINARY, HANDED, FrameReader, Oversized, header
+from duplexserve.server.transports.websocket.frames import FIN_BINARY, HANDED, FrameReader, Oversized, header
 from tests.raw_ws import frame
 
 MAX_SIZE = 70_000  # small enough to test both sides of the limit, above 65535

@@ -25,7 +25,7 @@ from aiortc import MediaStreamTrack, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
 from duplexserve.codecs.opus_rtp import PACKET_SAMPLES, RtpOpusEncoder
-from duplexserve.server import webrtc_peer
+from duplexserve.server.transports.webrtc import peer as webrtc_peer
 
 webrtc_peer.restrict_host_addresses(("127.0.0.1",))
 

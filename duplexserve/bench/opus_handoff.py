@@ -4,7 +4,7 @@
 
 Every session, at its own phase of the 80 ms frame clock (as paced clients arrive),
 awaits the decode of one Ogg message in a codec worker and then the encode of the
-decoded frame, exactly as ``Connection.decode`` / ``Connection.encode`` do. No
+decoded frame, exactly as ``ProtocolAdapter.decode`` / ``ProtocolAdapter.encode`` do. No
 WebSocket, no engine: the loop process's CPU time per frame is what the hand-off costs
 it (requests, replies, futures, wake-ups), beside the workers' CPU per frame. Run it
 under another checkout (``PYTHONPATH=DIR``) to compare; ``--codec-batch-ms`` is the

@@ -1,4 +1,4 @@
-"""CPU per frame of the turnaround bookkeeping alone (server/turnaround.py), flushes included.
+"""CPU per frame of the turnaround bookkeeping alone (server/core/turnaround.py), flushes included.
 
 The burst A/B (``duplexserve bench ab-burst``) prices the whole change but on a busy machine its
 repetitions scatter by +-15%; this counts the added work itself, in process CPU time,
@@ -14,8 +14,8 @@ import time
 
 import uvloop
 
-from duplexserve.server.replay import ReplayRing
-from duplexserve.server.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals
+from duplexserve.server.core.replay import ReplayRing
+from duplexserve.server.core.turnaround import FLUSH_FRAMES, FrameTimer, TurnaroundTotals
 
 FRAMES = 256 * 400
 

@@ -8,7 +8,7 @@ Ogg stream itself, with the layout of sphn's writer (``opus.OpusStreamEncoder``)
 first message carries the OpusHead and OpusTags pages, then every 80 ms model frame
 becomes two 40 ms packets, one Ogg page each, granule positions in 48 kHz samples.
 
-``LIBOPUS`` is None when libopus cannot be loaded; ``make_opus_encoder`` then falls back
+``LIBOPUS`` is None when libopus cannot be loaded; ``opus_choice.make_opus_encoder`` then falls back
 to sphn (one log line). ctypes releases the GIL during each call.
 """
 
@@ -235,17 +235,3 @@ class LibopusStreamEncoder:
 
 
 _NO_SAMPLES = np.zeros(0, dtype=np.float32)
-_warned = False
-
-
-def make_opus_encoder(complexity: int = DEFAULT_COMPLEXITY) -> LibopusStreamEncoder | object:
-    """The libopus encoder when libopus loads, else sphn's writer (logged once)."""
-    global _warned
-    if LIBOPUS is not None:
-        return LibopusStreamEncoder(complexity)
-    if not _warned:
-        _warned = True
-        log.warning("libopus could not be loaded: Opus output uses sphn (complexity 10, slower)")
-    from duplexserve.codecs.opus import OpusStreamEncoder
-
-    return OpusStreamEncoder()

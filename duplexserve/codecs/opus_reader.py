@@ -27,7 +27,7 @@ import numpy as np
 
 from duplexserve.codecs.formats import MODEL_RATE, FormatError
 from duplexserve.codecs.libopus import LIBOPUS, OPUS_OK
-from duplexserve.codecs.opus_budget import OpusBudget, OpusLimits, OverBudget, packet_samples
+from duplexserve.codecs.opus_budget import OpusBudget, OverBudget, packet_samples
 
 OGG_CAPTURE = b"OggS"
 _HEADER = 27  # fixed part of a page header, before the lacing values
@@ -197,14 +197,3 @@ class LibopusStreamDecoder(OggOpusReader):
 
     def __del__(self) -> None:
         self._close()
-
-
-def make_opus_decoder(limits: OpusLimits | None = None) -> LibopusStreamDecoder | object:
-    """The libopus decoder when libopus loads, else sphn's reader (the same samples);
-    ``limits``: the connection's budget (a server's sessions; None: a client's own audio)."""
-    budget = OpusBudget(limits) if limits is not None else None
-    if LIBOPUS is not None:
-        return LibopusStreamDecoder(budget)
-    from duplexserve.codecs.opus import OpusStreamDecoder
-
-    return OpusStreamDecoder(budget)

@@ -28,8 +28,8 @@ import numpy as np
 
 from duplexserve.codecs import g711, pcm
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
-from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
-from duplexserve.codecs.opus_reader import make_opus_decoder
+from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY
+from duplexserve.codecs.opus_choice import make_opus_decoder, make_opus_encoder
 from duplexserve.codecs.resample import FrameResampler, StreamResampler, runs_inline
 
 if TYPE_CHECKING:

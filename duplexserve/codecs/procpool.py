@@ -406,7 +406,7 @@ class _RemoteCodec:
     """A codec whose state lives in a worker; freed there when this object goes."""
 
     inline = False
-    remote = True  # Connection awaits decode_async / encode_async instead of a pool hop
+    remote = True  # the protocol adapter awaits decode_async / encode_async instead of a pool hop
 
     def __init__(self, worker: _Worker, cid: int, cost: int) -> None:
         self._worker, self._cid = worker, cid

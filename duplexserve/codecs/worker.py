@@ -24,9 +24,9 @@ import numpy as np
 
 from duplexserve.codecs import procpool as pp
 from duplexserve.codecs.formats import FormatError
-from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY, make_opus_encoder
+from duplexserve.codecs.libopus import DEFAULT_COMPLEXITY
 from duplexserve.codecs.opus_budget import OpusLimits, OverBudget
-from duplexserve.codecs.opus_reader import make_opus_decoder
+from duplexserve.codecs.opus_choice import make_opus_decoder, make_opus_encoder
 
 _FLUSH_AFTER_S = 0.004
 _MAX_IOV = 512

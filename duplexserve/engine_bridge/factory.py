@@ -1,34 +1,16 @@
-"""Build the engine named in the configuration; heavy engines import lazily."""
+"""Build the engine named in the configuration: in its own process (process_engine.py), or
+in this one (local.py); heavy engines import lazily."""
 
 from __future__ import annotations
 
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
-from duplexserve.engine_bridge.synthetic import SyntheticEngine
+from duplexserve.engine_bridge.local import build_local_engine
 
 
 def build_engine(config: ServerConfig) -> Engine:
     if config.engine_in_process:
         from duplexserve.engine_bridge.process_engine import ProcessEngine
 
-        return ProcessEngine(config)  # builds the engine below in its own process
-    if config.engine == "vllm-omni":
-        from duplexserve.engine_bridge.vllm_omni.setup import vllm_omni_engine_from_config
-
-        return vllm_omni_engine_from_config(config)
-    if config.engine == "moshi":
-        from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
-
-        return moshi_engine_from_config(config)
-    if config.engine == "synthetic":
-        return SyntheticEngine(
-            config.max_sessions,
-            mode=config.synthetic_mode,
-            delay_frames=config.delay_frames,
-            text_every=config.text_every,
-            base_ms=config.step_base_ms,
-            per_session_ms=config.step_per_session_ms,
-            host_ms_per_session=config.host_ms_per_session,
-            faults=config.synthetic_faults,
-        )
-    raise ValueError(f"engine {config.engine!r} is not available in this build")
+        return ProcessEngine(config)  # builds the engine of local.py in its own process
+    return build_local_engine(config)

@@ -217,7 +217,7 @@ def _attach(name: str) -> SharedMemory:
 def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], spawned: float) -> None:
     """The engine process: import what the engine's start needs, wait for ``start``, build
     the engine, then serve commands until stop or EOF (a spare waits here until a restart)."""
-    from duplexserve.engine_bridge.factory import build_engine
+    from duplexserve.engine_bridge.local import build_local_engine
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
     _name_process(SPARE_NAME)
@@ -262,7 +262,7 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
                     conn.send(("ok", engine.prompt_cached(message[1])))
                 elif kind == "start":
                     _name_process(ENGINE_NAME)
-                    engine = build_engine(config)
+                    engine = build_local_engine(config)
                     engine.start()
                     gc.collect()  # then torch and the model stay out of every later
                     gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)

@@ -2,8 +2,8 @@
 
 A raw ASGI app under uvicorn with exactly the settings of
 :func:`duplexserve.server.run.uvicorn_config`. With ``--ws fast`` it runs on duplexserve's
-own fast path (``server/ws_protocol.py``: a callback per message, synchronous sends, the
-frame reader of ``server/ws_frames.py``) instead of ASGI messages: the floor of that path's
+own fast path (``server/transports/websocket/protocol.py``: a callback per message, synchronous sends, the
+frame reader of ``server/transports/websocket/frames.py``) instead of ASGI messages: the floor of that path's
 framing and transport. It speaks just enough of ``duplex/1`` for the load generator
 (``session.created``, one binary message per 80 ms frame, ``input.end`` answered by
 ``session.closed``) and nothing else: no orchestration, no engine, no thread. What
@@ -27,7 +27,7 @@ from typing import Any
 
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.config import ServerConfig
-from duplexserve.server.ws_protocol import EXTENSION, FastWebSocketProtocol
+from duplexserve.server.transports.websocket.protocol import EXTENSION, FastWebSocketProtocol
 
 FRAME_BYTES = 4 * FRAME_SAMPLES  # pcm_f32le at 24 kHz, the only format the floor speaks
 FAULTS = ("drop", "reorder", "alter")
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8999)
     parser.add_argument(
         "--ws", default="websockets-sansio", choices=("websockets-sansio", "websockets", "fast"),
-        help="fast: duplexserve's own fast path (server/ws_protocol.py)",
+        help="fast: duplexserve's own fast path (server/transports/websocket/protocol.py)",
     )
     parser.add_argument("--fault", choices=FAULTS, help="misbehave on one frame of every session")
     parser.add_argument("--fault-frame", type=int, default=3, help="which output frame (0-based)")

@@ -29,19 +29,22 @@ from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server import auth, gc_pauses, personas
-from duplexserve.server.connection import Connection, Receive, Scope, Send
+from duplexserve.server.calls import WebRTCCalls, WebRTCCollector
+from duplexserve.server.core.adapter import ProtocolAdapter
+from duplexserve.server.core.orchestrator import Orchestrator
+from duplexserve.server.core.session import Limits
 from duplexserve.server.http_errors import http_error
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
-from duplexserve.server.moshi_chat import MoshiConnection
-from duplexserve.server.native import NativeConnection
-from duplexserve.server.orchestrator import Orchestrator
-from duplexserve.server.realtime import RealtimeConnection
-from duplexserve.server.session import Limits
-from duplexserve.server.twilio import TwilioConnection
-from duplexserve.server.twilio_wire import TwilioCollector
-from duplexserve.server.webrtc import WebRTCCalls, WebRTCCollector
+from duplexserve.server.protocols.moshi_chat import MoshiConnection
+from duplexserve.server.protocols.native import NativeConnection
+from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
+from duplexserve.server.protocols.twilio.adapter import TwilioConnection
+from duplexserve.server.protocols.twilio.wire import TwilioCollector
+from duplexserve.server.transports.websocket.connection import Receive, Scope, Send, WebSocketTransport
 
-PROTOCOLS: dict[str, type[Connection]] = {
+#: The protocol each WebSocket path speaks; the transport is the WebSocket (the WebRTC
+#: calls, ``POST /v1/realtime/calls``, are the Realtime protocol on the WebRTC transport).
+PROTOCOLS: dict[str, type[ProtocolAdapter]] = {
     "/v1/duplex": NativeConnection,
     "/v1/realtime": RealtimeConnection,
     "/api/chat": MoshiConnection,
@@ -176,9 +179,9 @@ class DuplexApp:
                 await receive()
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            await protocol(
-                scope, receive, send, self.orchestrator, self.config, self.codec_pool, self.codec_procs
-            ).run()
+            transport = WebSocketTransport(scope, receive, send, self.config)
+            adapter = protocol(transport, self.orchestrator, self.config, self.codec_pool, self.codec_procs)
+            await transport.run(adapter)
             return
         if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.api_keys:
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))

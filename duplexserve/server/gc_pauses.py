@@ -5,7 +5,7 @@ the event loop, every session's frames with it, for as long as it takes. Measure
 2-core development machine: with the startup's 60 000 objects (FastAPI, uvicorn, numpy)
 in the walk, a full collection took 40-160 ms, and with 200 sessions ending it also had
 their reference cycles to free (16 000 objects). Two measures: connections break their own
-cycles when they end (``Connection._release``), and what exists once the server has
+cycles when they end (``WebSocketTransport._release``), and what exists once the server has
 started is frozen (``gc.freeze``: collections skip it), so a full collection walks only
 what live sessions hold: 6 ms in the same run. The pauses that remain are exported as
 ``duplexserve_gc_pause_seconds{generation}``.

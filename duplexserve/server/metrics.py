@@ -15,10 +15,10 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from duplexserve.engine_bridge.bridge import RESTART_CAUSES, StepOutput
-from duplexserve.server.budgets import BudgetCollector
+from duplexserve.server.core.budgets import BudgetCollector
+from duplexserve.server.core.orchestrator import Orchestrator
+from duplexserve.server.core.turnaround import BUCKETS as TURNAROUND_BUCKETS
 from duplexserve.server.gc_pauses import GcPauses
-from duplexserve.server.orchestrator import Orchestrator
-from duplexserve.server.turnaround import BUCKETS as TURNAROUND_BUCKETS
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.2)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512)

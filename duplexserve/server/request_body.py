@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from duplexserve.server.budgets import over_budget
+from duplexserve.server.core.budgets import over_budget
 
 #: The most bytes a body of the HTTP API may have (an SDP offer with its session: a few KiB).
 MAX_BODY_BYTES = 64 << 10

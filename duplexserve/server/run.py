@@ -19,10 +19,20 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from duplexserve.config import ServerConfig, trusted_proxies
 from duplexserve.server import log_redaction
 from duplexserve.server.app import DuplexApp, create_app
-from duplexserve.server.budgets import over_budget
-from duplexserve.server.ws_budgets import DEFAULT_LIMITS, UNLIMITED, MeteredProtocol, RateLimits, budgeted
-from duplexserve.server.ws_fallback import SansIOFallback
-from duplexserve.server.ws_protocol import FastWebSocketProtocol, fallback_problem, fast_path_problem
+from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.transports.websocket.budgets import (
+    DEFAULT_LIMITS,
+    UNLIMITED,
+    MeteredProtocol,
+    RateLimits,
+    budgeted,
+)
+from duplexserve.server.transports.websocket.fallback import SansIOFallback
+from duplexserve.server.transports.websocket.protocol import (
+    FastWebSocketProtocol,
+    fallback_problem,
+    fast_path_problem,
+)
 
 log = logging.getLogger("duplexserve")
 
@@ -119,7 +129,7 @@ class DrainingServer(uvicorn.Server):
 def websocket_protocol(ws: str, limits: RateLimits | None = DEFAULT_LIMITS) -> str | type[MeteredProtocol]:
     """``--ws fast`` where the installed uvicorn and websockets have what the fast path
     reads (checked once, here), else uvicorn's own sans-I/O protocol, said once; that one,
-    ``--ws websockets-sansio``, with the same budgets and slices (server/ws_fallback.py)
+    ``--ws websockets-sansio``, with the same budgets and slices (server/transports/websocket/fallback.py)
     where it has what they read, else as it comes, said too. ``limits`` None: uvicorn's
     protocols as they come and no budget on the fast path (the benchmarks' echo floors)."""
     if ws == "fast":

@@ -7,9 +7,9 @@ audio (``pcm_f32le`` at 24 kHz) goes out as Opus packets with in-band FEC, as br
 send it, of the length the server's answer asks (``a=ptime``, which browsers follow; 20
 ms without one): a packet goes when the pacer's messages have filled it, a longer message
 its packets back to back, as RTP of the peer's own
-(server/webrtc_rtp.py; through aiortc's sender where the network is impaired). The
+(server/transports/webrtc/rtp.py; through aiortc's sender where the network is impaired). The
 server's packets are taken as they arrive, before aiortc's own jitter buffer and
-decoder thread (the server's fast path, server/webrtc_rtp.py), grouped into 80 ms frames
+decoder thread (the server's fast path, server/transports/webrtc/rtp.py), grouped into 80 ms frames
 (:class:`~duplexserve.loadgen.webrtc_audio.FrameAssembler`), decoded by libopus, and
 each frame is one output frame for the sink, timed from its last packet.
 
@@ -55,7 +55,8 @@ from duplexserve.codecs import FRAME_SAMPLES, AudioFormat
 from duplexserve.codecs.opus_rtp import PACKET_SAMPLES, RtpOpusDecoder, RtpOpusEncoder, packet_samples
 from duplexserve.loadgen.drivers.base import HangUpWhenAnswered, Sink
 from duplexserve.loadgen.webrtc_audio import EchoReplay, FrameAssembler, decode_frame
-from duplexserve.server import webrtc_peer, webrtc_rtp
+from duplexserve.server.transports.webrtc import peer as webrtc_peer
+from duplexserve.server.transports.webrtc import rtp as webrtc_rtp
 
 CHANNEL = "oai-events"
 #: This peer's Opus: cheap to encode (the client's CPU is what limits a run), in-band FEC on

@@ -1,20 +1,20 @@
 """uvicorn's own sans-I/O protocol with the fast path's budgets and slices.
 
 Served for ``--ws websockets-sansio`` and wherever the fast path cannot run
-(server/ws_protocol.py). uvicorn hands each read whole to websockets, which parses every
+(server/transports/websocket/protocol.py). uvicorn hands each read whole to websockets, which parses every
 frame in it before the loop can do anything else: one read of 256 KiB is 40,000 pings,
 and a connection sending them held the loop for seconds. Here a read goes to uvicorn
-in slices of whole frames (:data:`~duplexserve.server.ws_budgets.SLICE_FRAMES`, about
-:data:`~duplexserve.server.ws_budgets.SLICE_BYTES`), cut by :class:`FrameCounter` from
+in slices of whole frames (:data:`~duplexserve.server.transports.websocket.budgets.SLICE_FRAMES`, about
+:data:`~duplexserve.server.transports.websocket.budgets.SLICE_BYTES`), cut by :class:`FrameCounter` from
 the frame headers alone, and the frames are charged to the connection's budgets
-(server/ws_budgets.py). Everything else is uvicorn's.
+(server/transports/websocket/budgets.py). Everything else is uvicorn's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from duplexserve.server.ws_budgets import SLICE_BYTES, SLICE_FRAMES, MeteredProtocol
+from duplexserve.server.transports.websocket.budgets import SLICE_BYTES, SLICE_FRAMES, MeteredProtocol
 
 
 class FrameCounter:

@@ -43,7 +43,7 @@ HANDED = object()
 def _fragment_size_attribute() -> str | None:
     """The name under which websockets keeps the size of the fragmented message being
     received (None outside one): ``current_size`` from 16.0, ``cur_size`` in 13 to 15.
-    None if this version has neither, and then the fast path is not used (ws_protocol.py)."""
+    None if this version has neither, and then the fast path is not used (protocol.py)."""
     conn = ServerProtocol()
     for name in ("current_size", "cur_size"):
         if name in vars(conn) and getattr(conn, name) is None:
@@ -115,7 +115,7 @@ class FrameReader:
     def next(self) -> tuple[bytes, bool] | Oversized | object | None:
         """One message ``(payload, is_text)``, an :class:`Oversized`, :data:`HANDED`, or None
         until more bytes come. Frames go to websockets one at a time also while the
-        connection closes, so that its owner can stop after any of them (server/ws_budgets.py)."""
+        connection closes, so that its owner can stop after any of them (budgets.py)."""
         buf, pos = self._buf, self.pos
         avail = len(buf) - pos
         if avail < 2:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import itertools
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +19,11 @@ from typing import Any
 from duplexserve import errors
 from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
-from duplexserve.server.budgets import over_budget
-from duplexserve.server.personas import Readiness
-from duplexserve.server.resume import ResumeRegistry
-from duplexserve.server.session import Limits, Session, State, no_notify
-from duplexserve.server.turnaround import FrameTimer, TurnaroundTotals
+from duplexserve.server.core.admission import Admission
+from duplexserve.server.core.readiness import Readiness
+from duplexserve.server.core.resume import ResumeRegistry
+from duplexserve.server.core.session import Limits, Session, State, no_notify
+from duplexserve.server.core.turnaround import TurnaroundTotals
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +44,7 @@ class Counts:
     frames_dropped: int = 0
 
 
-class Orchestrator:
+class Orchestrator(Admission):
     def __init__(
         self,
         engine: Engine,
@@ -166,111 +164,8 @@ class Orchestrator:
     def active(self) -> int:
         return self.engine.num_slots - len(self._free)
 
-    @property
-    def ready(self) -> bool:
-        return self.bridge.running and not self.draining and self._has_room
-
-    @property
-    def _has_room(self) -> bool:
-        """A slot is free, or one that a detached session holds can be freed for a new one."""
-        return bool(self._free) or self.resume.detached > 0
-
-    def refusal(self, client: str | None) -> tuple[int, str, str] | None:
-        """Why a new session from ``client`` cannot be admitted now, or None.
-
-        Returns (close code, error code, message): 1013 for full, draining or an engine
-        not ready (try again later), 1008 for the per-address policy. ``client`` is the
-        address uvicorn put in the scope: the peer's, or what a proxy of
-        ``--forwarded-allow-ips`` named. Under the default limit a loopback address is
-        exempt: it is this host (a benchmark, a health probe, or a proxy beside the server
-        that names no client, whose clients would otherwise share one address's quarter).
-        """
-        if self.draining:
-            return errors.TRY_AGAIN, "server_unavailable", "server is draining, try again later"
-        if not self.bridge.running:
-            return errors.TRY_AGAIN, "server_unavailable", "engine is not ready, try again later"
-        if not self._has_room:
-            return errors.TRY_AGAIN, "server_unavailable", "server is full, try again later"
-        limit = self.max_sessions_per_client
-        if limit and client and self._per_client[client] >= limit and not (
-            self._loopback_exempt and _loopback(client)
-        ):
-            return errors.POLICY, "too_many_sessions", f"at most {limit} sessions per client address"
-        return None
-
     def sessions(self) -> list[Session]:
         return [s for s in self._by_slot if s is not None]
-
-    def open_session(
-        self, params: dict[str, Any] | None = None, client: str | None = None
-    ) -> Session | None:
-        """A new session in a free slot, or None when :meth:`refusal` says why not (1013)."""
-        refusal = self.refusal(client)
-        if refusal is not None:
-            self.rejected(refusal)
-            return None
-        if not self._free:  # every slot taken, some by detached sessions: the oldest gives way
-            self._evict_oldest_detached()
-        slot = self._free.pop()
-        if client:
-            self._per_client[client] += 1
-            self._client_of[slot] = client
-        session = Session(
-            secrets.token_hex(8), slot, next(self._generations), self.limits, FrameTimer(self.turnaround)
-        )
-        assert self._loop is not None
-        session.started = session.last_activity = self._loop.time()
-        session.completion_grace_s = getattr(self.bridge, "trailing_text_s", 0.0)
-        session.tail = self.engine.tail
-        self._by_slot[slot] = session
-        self.counts.sessions_accepted += 1
-        self.bridge.open(slot, session.generation, params or {})
-        return session
-
-    def rejected(self, refusal: tuple[int, str, str]) -> None:
-        """Count a new session refused for ``refusal``; one over its address's limit is over budget."""
-        self.counts.sessions_rejected += 1
-        if refusal[1] == "too_many_sessions":
-            over_budget("sessions_per_client")
-
-    async def run_prompt(self, session: Session, params: dict[str, Any]) -> tuple[str, str] | None:
-        """Run a new session's prompt (``text_prompt``, ``voice_prompt``) before its first
-        audio; None once the engine ran it, else (docs/protocol.md's error code, message). A model
-        without prompts and an unknown voice are answered here, without the engine."""
-        engine = self.engine
-        if not engine.takes_prompts:
-            return "prompt_unsupported", "this model takes no prompt; the session goes on without it"
-        voice = params.get("voice_prompt")
-        if voice and voice not in engine.voices:
-            name = voice[:64]  # echoed back, not a megabyte of it
-            return "voice_not_found", f"voice_prompt {name!r}: not one of this server's (GET /v1/voices)"
-        refused = self._untokenizable(params.get("text_prompt") or "")
-        if refused is not None:  # before the engine thread tokenizes it (a 1 MiB one took 0.6 s there)
-            return refused
-        assert self._loop is not None
-        done: asyncio.Future[tuple[str, str] | None] = self._loop.create_future()
-        self._prompts[session.slot] = done
-        self.bridge.prompt(
-            session.slot, session.generation, params, lambda outcome: done.done() or done.set_result(outcome)
-        )
-        try:
-            return await done
-        finally:
-            if self._prompts.get(session.slot) is done:
-                del self._prompts[session.slot]
-
-    def _untokenizable(self, text: str) -> tuple[str, str] | None:
-        """Why the text prompt ``text`` may not reach the engine (``invalid_prompt``), or None:
-        over ``--max-prompt-bytes`` (counted as a budget), or not Unicode."""
-        limit = self.max_prompt_bytes
-        try:
-            size = len(text) if len(text) > limit else len(text.encode())  # never fewer bytes than characters
-        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): the tokenizer raised on it
-            return "invalid_prompt", "text_prompt is not valid Unicode"
-        if size > limit:
-            over_budget("prompt_bytes")
-            return "invalid_prompt", f"text_prompt is over {limit} bytes (--max-prompt-bytes)"
-        return None
 
     # --------------------------------------------------------------------- frames
     def pump(self, session: Session) -> None:
@@ -479,13 +374,3 @@ class Orchestrator:
                 and now - session.last_activity > self.idle_timeout_s
             ):
                 self.close(session, "idle_timeout", errors.NORMAL)
-
-
-def _loopback(address: str) -> bool:
-    """Whether ``address`` (an IP, or a name a proxy sent) is this host's loopback."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return (mapped or ip).is_loopback

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -19,48 +17,19 @@ import numpy as np
 
 from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, SAMPLE_BYTES, AudioFormat, FormatError
-from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
-from duplexserve.codecs.resample import frame_samples_total
+from duplexserve.codecs.pipeline import make_decoder, make_encoder
 from duplexserve.errors import SessionError
-from duplexserve.server import personas
-from duplexserve.server.connection import Connection, invalid_audio
-from duplexserve.server.eager import run_eager
-from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
-from duplexserve.server.replay import ReplayRing
-from duplexserve.server.resume import Resumable
-from duplexserve.server.session import State
-
-OPUS = "opus"
-
-
-@dataclass
-class Carry:
-    """What a resumed session takes from its old connection: formats, codecs, replay.
-
-    ``sent_audio`` holds the last output frames handed to a socket: the bytes as sent,
-    or for Opus the model audio (each connection is its own Ogg stream, so a replayed
-    Opus frame is encoded again by the new stream's encoder). ``sent_text`` holds the
-    text deltas of those frames.
-    """
-
-    input_format: AudioFormat
-    output_format: AudioFormat
-    decoder: Decoder
-    encoder: Encoder
-    sent_audio: ReplayRing
-    sent_text: collections.deque[tuple[int, str]]
-    wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
-    prompted: bool = False  # the session's prompt was asked for: it is set once
+from duplexserve.server.core import prompts
+from duplexserve.server.core.adapter import ProtocolAdapter, invalid_audio
+from duplexserve.server.core.eager import run_eager
+from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.core.replay import ReplayRing
+from duplexserve.server.core.resume import Resumable
+from duplexserve.server.core.session import State
+from duplexserve.server.protocols.native_resume import OPUS, NativeResume, text_delta
 
 
-def text_delta(frame: int, text: str) -> str:
-    """The ``text.delta`` event, byte for byte what ``json.dumps`` writes for its dict, in a
-    fifth of the time (json's own C string encoder, no dict walk): a model's text goes out
-    with its frame."""
-    return f'{{"type": "text.delta", "frame": {frame:d}, "text": {encode_basestring_ascii(text)}}}'
-
-
-class NativeConnection(Connection):
+class NativeConnection(NativeResume, ProtocolAdapter):
     protocol = "duplex/1"
     _resumable: Resumable | None = None
     _sent_audio: ReplayRing | None = None
@@ -93,7 +62,7 @@ class NativeConnection(Connection):
         if not await self.open_session():
             return False
         # A prompt runs before the WebSocket is accepted: no audio can come before session.created.
-        prompt = personas.prompt_of(q)
+        prompt = prompts.prompt_of(q)
         refused = await self.run_prompt(prompt) if prompt else None
         if refused is not None and refused.fatal:
             await self.refuse_session(refused)
@@ -114,108 +83,6 @@ class NativeConnection(Connection):
         if refused is not None:  # prompt_unsupported: the session goes on without it
             await self.send_error(refused.code, refused.message, False)
         return True
-
-    # -------------------------------------------------------------------- resume
-    def carry(self) -> Carry:
-        assert self.decoder is not None and self.encoder is not None
-        assert self._sent_audio is not None and self._sent_text is not None
-        return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
-                     self._sent_audio, self._sent_text, self._wire_bytes, self._prompted)
-
-    def lost(self, session: Any) -> bool:
-        entry = self._resumable
-        if entry is not None and entry.owner is self:
-            entry.state = self.carry()
-        return self.orch.detach(session)
-
-    async def _resume(self, token: str, last_frame: str) -> bool:
-        """``?resume=<token>&last_frame=<k>``: take a detached (or half-open) session over."""
-        registry = self.orch.resume
-        entry = registry.peek(token) if registry.enabled else None
-        if entry is None:
-            registry.refuse()
-            await self.refuse(errors.POLICY, "resume_failed", "unknown, used or expired resume token")
-            return False
-        session = entry.session
-        try:
-            k = int(last_frame)
-        except ValueError:
-            k = -2
-        if not -1 <= k <= session.frames_out - 1:
-            registry.refuse()
-            await self.refuse(errors.POLICY, "resume_failed",
-                              f"last_frame must be -1 to {session.frames_out - 1}")
-            return False
-        old = entry.owner
-        carry: Carry = old.carry() if old is not None else entry.state
-        registry.claim(token)
-        if old is not None:
-            old.take_over()  # a half-open connection: it says session.closed "replaced"
-        self.input_format, self.output_format = carry.input_format, carry.output_format
-        # Each connection is its own Ogg stream both ways; resamplers keep their state.
-        self.decoder = make_decoder(carry.input_format, self.codec_procs) \
-            if carry.input_format.format == OPUS else carry.decoder
-        self.encoder = make_encoder(carry.output_format, self.codec_procs) \
-            if carry.output_format.format == OPUS else carry.encoder
-        self._sent_audio, self._sent_text = carry.sent_audio, carry.sent_text
-        self.session, self._resumable, self._prompted = session, entry, carry.prompted
-        if carry.input_format.format == OPUS:
-            session.drop_partial()  # the new Ogg stream starts at input frame frames_in
-        else:
-            width = SAMPLE_BYTES[carry.input_format.format]
-            taken = frame_samples_total(session.frames_in, carry.input_format.sample_rate) * width
-            self._wire_bytes = carry.wire_bytes
-            self._skip_bytes = max(carry.wire_bytes - taken, 0)
-        session.last_activity = self._loop.time()
-        token = registry.attach(entry, self)
-        replay = carry.sent_audio.after(k)
-        unsent = session.frames_out - (replay[-1][0] + 1 if replay else k + 1)
-        replayed = len(replay) + max(unsent, 0)
-        resumed = self._describe("session.resumed")
-        del resumed["protocol"], resumed["model"], resumed["engine"], resumed["frame_ms"]
-        resumed.update({
-            "frames_in": session.frames_in,
-            "frames_out": session.frames_out,
-            "replayed": replayed,
-            "frames_lost": session.frames_out - (k + 1) - replayed,
-            "resume": {"token": token, "grace_s": registry.grace_s},
-        })
-        try:
-            await self.accept()
-            await self.send_json(resumed)
-            await self._replay(replay, [(i, t) for i, t in carry.sent_text if i > k])
-            if session.timer is not None:  # the writer goes on after the last frame handed over
-                session.timer.resync(carry.sent_audio.next)
-        except (OSError, RuntimeError):  # gone again before the replay was out: detach again
-            self.lost(session)
-            return False
-        return True
-
-    async def _replay(self, audio: list[tuple[int, Any]], texts: list[tuple[int, str]]) -> None:
-        """Send again the frames after ``last_frame`` that were handed to the old socket."""
-        t = 0
-        timer = self.session.timer if self.session is not None else None
-        for index, payload in audio:
-            if self.output_format.format == OPUS:
-                data = await self.encode(np.frombuffer(payload, dtype=np.float32))
-            else:
-                data = payload
-            await self.send_bytes(data)
-            if timer is not None:  # a frame whose first send broke is timed now, gap included
-                timer.sent(index, self._loop.time())
-            while t < len(texts) and texts[t][0] <= index:
-                if texts[t][0] == index:
-                    await self.send_text(text_delta(index, texts[t][1]))
-                t += 1
-
-    async def send_replaced(self) -> None:
-        session = self.session
-        assert session is not None
-        await self.send_json({
-            "type": "session.closed", "reason": "replaced",
-            "frames_in": session.frames_in, "frames_out": session.frames_out, "frames_dropped": 0,
-        })
-        await self.close(errors.NORMAL, "replaced")
 
     def _set_formats(self, inp: AudioFormat, out: AudioFormat) -> None:
         decoder, encoder = make_decoder(inp, self.codec_procs), make_encoder(out, self.codec_procs)
@@ -280,7 +147,7 @@ class NativeConnection(Connection):
         await self.feed(samples)
 
     def audio_payload(self, data: bytes) -> bytes | None:
-        """Opus for the codec worker, straight from the fast path (``Connection``)."""
+        """Opus for the codec worker, straight from the fast path (transports/websocket/fast.py)."""
         if self._skip_bytes or self._prompting is not None:  # binary_now refuses it
             return None
         self._wire_bytes += len(data)
@@ -317,7 +184,7 @@ class NativeConnection(Connection):
         if session.state is not State.CREATED:
             raise SessionError("session_locked", "session.update is only allowed before the first audio")
         try:
-            prompt = personas.prompt_of(event)
+            prompt = prompts.prompt_of(event)
         except ValueError as exc:
             raise SessionError("invalid_event", str(exc), errors.INVALID_PAYLOAD) from None
         if prompt is not None and self._prompted and self.orch.engine.takes_prompts:
@@ -361,11 +228,11 @@ class NativeConnection(Connection):
         self._ran(prompt, refused)
         if refused is None or not refused.fatal:
             session.say(self._updated())
-        self._received(session)
+        self.received(session)
 
     def _ran(self, prompt: dict[str, str] | None, refused: SessionError | None) -> None:
         if prompt is not None and refused is None:
-            self._applied = {key: prompt.get(key, "") for key in personas.PROMPT_KEYS}
+            self._applied = {key: prompt.get(key, "") for key in prompts.PROMPT_KEYS}
 
     def _updated(self) -> dict[str, Any]:
         """``session.updated``: the formats, and the prompt the model ran, once one ran."""
@@ -389,14 +256,11 @@ class NativeConnection(Connection):
             sent.add(item.index, memoryview(audio).cast("B"))
         return audio
 
-    def send_audio(self, item: AudioOut, data: bytes | memoryview) -> None:
-        assert self._sock is not None
-        self._sock.send_bytes(data)
+    def send_encoded(self, item: AudioOut, data: bytes | memoryview) -> None:
+        self.transport.send_bytes_now(data)
 
     def render_now(self, item: Outgoing) -> bool:
         """``render``'s two per-frame items when the encoder runs inline (PCM, G.711)."""
-        sock = self._sock
-        assert sock is not None
         cls = item.__class__
         if cls is AudioOut:
             encoder = self.encoder
@@ -405,10 +269,10 @@ class NativeConnection(Connection):
             data = encoder.encode(item.audio)  # type: ignore[attr-defined]
             if self._sent_audio is not None:
                 self._sent_audio.add(item.index, data)  # type: ignore[attr-defined]
-            sock.send_bytes(data)
+            self.transport.send_bytes_now(data)
             return True
         if cls is TextOut:
-            sock.send_text(self._text_delta(item))  # type: ignore[arg-type]
+            self.transport.send_text_now(self._text_delta(item))  # type: ignore[arg-type]
             return True
         return False
 

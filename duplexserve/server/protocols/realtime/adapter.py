@@ -2,7 +2,7 @@
 
 So that the ``openai`` SDK, pipecat and LiveKit work unchanged. Audio arrives as
 base64 in ``input_audio_buffer.append`` and leaves as ``response.output_audio.delta``,
-pcm16 at 24 kHz or G.711. The model speaks continuously; :mod:`realtime_responses`
+pcm16 at 24 kHz or G.711. The model speaks continuously; :mod:`.responses`
 cuts its speech into responses (docs/protocols.md says how).
 
 Ordering: the reader validates client events and answers at once where the answer
@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,28 +33,23 @@ import numpy as np
 from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_MS, FRAME_SAMPLES, MODEL_RATE, FormatError
 from duplexserve.codecs.pipeline import Decoder, Encoder, make_decoder, make_encoder
-from duplexserve.server import auth, personas
-from duplexserve.server import realtime_events as ev
-from duplexserve.server.connection import Connection
-from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
-from duplexserve.server.realtime_responses import Responses
-from duplexserve.server.session import State
+from duplexserve.server import auth
+from duplexserve.server.core.adapter import ProtocolAdapter
+from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.core.session import SILENCE
+from duplexserve.server.protocols.realtime import events as ev
+from duplexserve.server.protocols.realtime.responses import Mode, Responses
+from duplexserve.server.protocols.realtime.update import (
+    DEFAULT_VOICE,
+    ClientEventError,
+    SessionUpdate,
+    _Apply,
+)
 
 SUBPROTOCOL = "realtime"
-DEFAULT_VOICE = "default"  # no voice prompt
 #: Closes the client did not ask for that deserve an ``error`` event before the close.
 _QUIET_CLOSES = ("completed", "client_closed", "disconnected")
 _SERVER_SIDE = (errors.INTERNAL, errors.TRY_AGAIN, errors.GOING_AWAY)
-_TURN_DETECTION_KEYS = {
-    "type",
-    "threshold",
-    "prefix_padding_ms",
-    "silence_duration_ms",
-    "create_response",
-    "interrupt_response",
-    "idle_timeout_ms",
-    "eagerness",
-}
 _COMMIT_MIN_MS = 100  # OpenAI's: less since the last commit or clear is refused
 _UNSUPPORTED = (
     "conversation.item.create",
@@ -66,26 +60,24 @@ _UNSUPPORTED = (
 )
 
 
-class ClientEventError(Exception):
-    """A client event the server cannot take: an ``error`` event, the session goes on."""
+class RealtimeConnection(SessionUpdate, ProtocolAdapter):
+    """The Realtime protocol on any transport: on a WebSocket, audio as base64 events; on a
+    transport with a media track (a WebRTC call: ``name="webrtc"``, the call's
+    ``session_config``), audio on the track and the events on its data channel."""
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
-
-
-@dataclass(slots=True)
-class _Apply:
-    """Work for the writer, in order with output: returns the events to send."""
-
-    run: Callable[[], list[dict[str, Any]]]
-
-
-class RealtimeConnection(Connection):
     protocol = "openai-realtime"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, name: str | None = None, session_config: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        if name is not None:
+            self.protocol = name
+        self.media = self.transport.media
+        #: A call's ``session`` from its offer, applied as a first ``session.update``.
+        self.session_config = session_config
+        if session_config and isinstance(session_config.get("model"), str):
+            self.query["model"] = session_config["model"]  # what session.created names
         offered = auth.subprotocols(self.scope)
         self._subprotocol = SUBPROTOCOL if SUBPROTOCOL in offered else None
         self._event_ids = itertools.count(1)
@@ -134,6 +126,15 @@ class RealtimeConnection(Connection):
         await self.accept()
         await self._emit({"type": "session.created", "session": ev.session_object(self.state)})
         self.ready()
+        config = self.session_config
+        if config:
+            try:
+                await self.update_session({"session": config}, None)  # runs a prompt it sets
+            except ClientEventError as exc:
+                self.transport.opened((400, exc.code, f"session: {exc.message}"))
+                self.orch.close(session, exc.code, errors.POLICY)
+                return True
+        self.transport.opened(None)
         return True
 
     def _new_id(self, prefix: str) -> str:
@@ -217,122 +218,6 @@ class RealtimeConnection(Connection):
         item = self._new_id("item")
         self._reply({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": None})
 
-    async def update_session(self, event: dict[str, Any], client_event_id: str | None) -> None:
-        """``session.update``, and the model's prompt when it sets one (``session.updated``
-        once the prompt ran; what the client sent after it waits until then)."""
-        prompt = self._update(event, client_event_id)
-        if prompt is None:
-            return
-        session = self.session
-        assert session is not None
-        refused = await self.run_prompt(prompt)
-        if refused is not None and refused.code == "voice_not_found":  # in Realtime's own term
-            refused = personas.refusal(refused.code, f"voice {prompt['voice_prompt']!r} is not one of this "
-                                       "server's voices: GET /v1/voices lists them (its --voice-prompt-dir)")
-        if refused is not None:
-            session.error(refused)
-            if refused.fatal:
-                return
-        apply, self._after_prompt = self._after_prompt, None
-        if apply is not None:
-            self._apply(apply)
-
-    def _update(self, event: dict[str, Any], client_event_id: str | None) -> dict[str, str] | None:
-        """GA nested ``audio.input.format`` and beta flat fields, validated before any change.
-        Returns the prompt to run when the update sets the model's (``update_session`` runs
-        it, then says ``session.updated``); None: ``session.updated`` is queued."""
-        spec = event.get("session")
-        if not isinstance(spec, dict):
-            raise ClientEventError("invalid_value", "'session' must be an object", "session")
-        if spec.get("type", "realtime") != "realtime":
-            raise ClientEventError(
-                "unsupported_session_type", "only session.type 'realtime' is supported", "session.type"
-            )
-        state = dict(self.state)
-        audio = _object(spec, "audio", "session.audio")
-        side_in = _object(audio, "input", "session.audio.input")
-        side_out = _object(audio, "output", "session.audio.output")
-        for key, side, beta in (
-            ("input_format", side_in, "input_audio_format"),
-            ("output_format", side_out, "output_audio_format"),
-        ):
-            if "format" in side:
-                state[key] = _ga_format(side["format"], f"session.audio.{key.split('_')[0]}.format")
-            elif beta in spec:
-                name = spec[beta]
-                if name not in ev.BETA_FORMATS:
-                    raise ClientEventError(
-                        "invalid_value",
-                        f"{beta} must be one of {', '.join(ev.BETA_FORMATS)}",
-                        f"session.{beta}",
-                    )
-                state[key] = ev.BETA_FORMATS[name]
-        voice = side_out.get("voice", spec.get("voice"))
-        if isinstance(voice, dict):
-            voice = voice.get("id")
-        if voice is not None:
-            if not isinstance(voice, str):
-                raise ClientEventError(
-                    "invalid_value", "voice must be a string", "session.audio.output.voice"
-                )
-            state["voice"] = voice
-        if "instructions" in spec:
-            if not isinstance(spec["instructions"], str):
-                raise ClientEventError(
-                    "invalid_value", "instructions must be a string", "session.instructions"
-                )
-            state["instructions"] = spec["instructions"]
-        for holder, param in (
-            (side_in, "session.audio.input.turn_detection"),
-            (spec, "session.turn_detection"),
-        ):
-            if "turn_detection" in holder:
-                state["turn_detection"] = _turn_detection(holder["turn_detection"], param)
-                break
-        prompt = self._prompt_of(state)
-        try:
-            decoder, encoder = self._codecs(state["input_format"], state["output_format"])
-        except FormatError as exc:
-            raise ClientEventError("unsupported_format", str(exc), "session.audio") from None
-        if state["input_format"] != self.state["input_format"]:
-            self.decoder = decoder  # input side: from the next append on
-        self.state = state
-        snapshot = ev.session_object(state)
-        change_output = state["output_format"] != self.responses.output_format
-
-        def apply() -> list[dict[str, Any]]:  # output side: between the frames around it
-            if change_output:
-                self.encoder = encoder
-            self.responses.output_format = state["output_format"]
-            self.responses.voice = state["voice"]
-            return [{"type": "session.updated", "session": snapshot}]
-
-        if prompt is not None:
-            self._prompted, self._after_prompt = True, apply
-            return prompt
-        self._apply(apply)
-        return None
-
-    def _prompt_of(self, state: dict[str, Any]) -> dict[str, str] | None:
-        """The prompt of a model that takes one when ``state`` changes its instructions or
-        voice, else None. Set once, before any audio (audio first: the default prompt ran)."""
-        if not self.orch.engine.takes_prompts:
-            return None  # echoed, not applied: agent frameworks always send them
-        changed = [key for key in ("instructions", "voice") if state[key] != self.state[key]]
-        if not changed:
-            return None
-        assert self.session is not None
-        if self._prompted or self.session.state is not State.CREATED:
-            raise ClientEventError(
-                "session_locked",
-                "instructions and voice are the model's prompt, set once before the first audio",
-                "session.instructions" if changed[0] == "instructions" else "session.audio.output.voice",
-            )
-        prompt = {"text_prompt": state["instructions"]}
-        if state["voice"] != DEFAULT_VOICE:
-            prompt["voice_prompt"] = state["voice"]
-        return prompt
-
     def _response_create(self, event: dict[str, Any], client_event_id: str | None) -> None:
         spec = event.get("response") or {}
         if not isinstance(spec, dict):
@@ -367,7 +252,9 @@ class RealtimeConnection(Connection):
 
     async def render(self, item: Outgoing) -> None:
         cls = item.__class__
-        if cls is AudioOut:
+        if cls is AudioOut and self.media:
+            await self._render_on_track(item)  # type: ignore[arg-type]
+        elif cls is AudioOut:
             audio = item.audio
             before, response, after = self.responses.audio(float(np.dot(audio, audio)) > self._energy_floor)
             for event in before:
@@ -395,33 +282,38 @@ class RealtimeConnection(Connection):
             if item.reason not in _QUIET_CLOSES and not self._fatal_sent:
                 kind = "server_error" if item.close_code in _SERVER_SIDE else "invalid_request_error"
                 await self._emit(ev.error(item.reason, f"the session was closed: {item.reason}", kind))
+            if self.media:
+                await self._emit(self._closed_event(item))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ on a media track
+    async def _render_on_track(self, item: AudioOut) -> None:
+        """A frame of speech on the transport's media track, the response events around it
+        on the data channel, with ``output_audio_buffer.started`` / ``.stopped``: what OpenAI
+        sends over WebRTC when a response's audio starts and ends on the track."""
+        audio = item.audio
+        responses = self.responses
+        before, response, after = responses.audio(float(np.dot(audio, audio)) > self._energy_floor)
+        for event in before:
+            await self._emit(event)
+            if event["type"] == "response.created":
+                await self._emit(_buffer_event("started", event))
+        if response is None and responses.mode is Mode.MUTED:
+            audio = SILENCE  # response.cancel: the rest of that speech is not heard
+        self.transport.send_audio(audio)
+        for event in after:
+            await self._emit(event)
+            if event["type"] == "response.done":
+                await self._emit(_buffer_event("stopped", event))
+
+    def _closed_event(self, item: ClosedOut) -> dict[str, Any]:
+        """Not an OpenAI event: the counts of duplex/1's ``session.closed``, and what the
+        transport did with the network's packets (docs/protocols.md)."""
+        return {
+            "type": "session.closed", "reason": item.reason, "frames_in": item.frames_in,
+            "frames_out": item.frames_out, "frames_dropped": item.frames_dropped,
+            "audio_in": self.transport.audio_counts(),
+        }  # fmt: skip
 
 
-def _object(holder: dict[str, Any], key: str, param: str) -> dict[str, Any]:
-    value = holder.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ClientEventError("invalid_value", f"{param} must be an object", param)
-    return value
-
-
-def _ga_format(spec: Any, param: str) -> str:
-    if not isinstance(spec, dict) or spec.get("type") not in ev.GA_FORMATS:
-        raise ClientEventError(
-            "invalid_value", f"{param}.type must be one of {', '.join(ev.GA_FORMATS)}", param
-        )
-    if spec["type"] == "audio/pcm" and spec.get("rate", 24000) != 24000:
-        raise ClientEventError("invalid_value", "audio/pcm is 24000 Hz only", param + ".rate")
-    return spec["type"]
-
-
-def _turn_detection(spec: Any, param: str) -> dict[str, Any] | None:
-    """Stored and echoed, not acted on: the model takes turns by itself (docs/protocols.md)."""
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or spec.get("type") not in ("server_vad", "semantic_vad"):
-        raise ClientEventError(
-            "invalid_value", "turn_detection is null or of type server_vad or semantic_vad", param
-        )
-    return {k: v for k, v in spec.items() if k in _TURN_DETECTION_KEYS}
+def _buffer_event(what: str, event: dict[str, Any]) -> dict[str, Any]:
+    return {"type": f"output_audio_buffer.{what}", "response_id": event["response"]["id"]}

@@ -35,9 +35,9 @@ from duplexserve import errors
 from duplexserve.codecs.formats import MODEL_RATE, AudioFormat, FormatError
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
 from duplexserve.errors import SessionError
-from duplexserve.server import personas
-from duplexserve.server.connection import Connection, invalid_audio
-from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.core import prompts
+from duplexserve.server.core.adapter import ProtocolAdapter, invalid_audio
+from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
 
 HANDSHAKE = b"\x00" + struct.pack("<II", 0, 0)
 AUDIO, TEXT, ERROR = 0x01, 0x02, 0x05
@@ -80,7 +80,7 @@ def engine_params(query: dict[str, str]) -> dict[str, Any]:
     return params
 
 
-class MoshiConnection(Connection):
+class MoshiConnection(ProtocolAdapter):
     protocol = "moshi"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -109,7 +109,7 @@ class MoshiConnection(Connection):
             make_encoder(OPUS, self.codec_procs),
         )
         await self.accept()
-        prompt = personas.prompt_of(params)
+        prompt = prompts.prompt_of(params)
         refused = await self.run_prompt(prompt) if prompt else None
         if refused is not None and refused.fatal:
             assert self.session is not None and refused.close_code is not None
@@ -134,16 +134,15 @@ class MoshiConnection(Connection):
         await self.feed(samples)
 
     def audio_payload(self, data: bytes) -> memoryview | None:
-        """Opus for the codec worker, straight from the fast path (``Connection``)."""
+        """Opus for the codec worker, straight from the fast path (transports/websocket/fast.py)."""
         return memoryview(data)[1:] if data and data[0] == AUDIO else None
 
     def audio_to_encode(self, item: AudioOut) -> np.ndarray:
         return item.audio
 
-    def send_audio(self, item: AudioOut, data: bytes | memoryview) -> None:
+    def send_encoded(self, item: AudioOut, data: bytes | memoryview) -> None:
         if data:
-            assert self._sock is not None
-            self._sock.send_bytes(_AUDIO_PREFIX + data)
+            self.transport.send_bytes_now(_AUDIO_PREFIX + data)
 
     async def on_text(self, text: str) -> None:
         """Kyutai's server logs and ignores text frames; say so, and go on."""

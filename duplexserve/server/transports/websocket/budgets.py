@@ -3,8 +3,8 @@
 Every session shares one event loop thread, so a connection that sends faster than any
 client needs (pings, tiny messages, bytes) must neither hold the loop nor take more than
 its share of it. Two things bound it, in :class:`MeteredProtocol`, the base of both our
-uvicorn protocols (the fast path, server/ws_protocol.py, and the ASGI fallback,
-server/ws_fallback.py):
+uvicorn protocols (the fast path, server/transports/websocket/protocol.py, and the ASGI fallback,
+server/transports/websocket/fallback.py):
 
 - a slice: one wake-up parses at most :data:`SLICE_FRAMES` frames or about
   :data:`SLICE_BYTES` bytes; the rest waits, reading paused, for a ``call_soon`` turn,
@@ -28,7 +28,7 @@ from typing import Any
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from duplexserve.errors import POLICY
-from duplexserve.server.budgets import over_budget
+from duplexserve.server.core.budgets import over_budget
 
 log = logging.getLogger("duplexserve")
 
@@ -45,7 +45,7 @@ DROP_LINGER_S = 2.0
 
 #: What :class:`MeteredProtocol` reads of uvicorn's ``WebSocketsSansIOProtocol`` (state set in
 #: its ``__init__``, methods it overrides or calls) and of websockets' ``ServerProtocol``;
-#: checked once at start-up (ws_protocol.py).
+#: checked once at start-up (protocol.py).
 METERED_STATE = (
     "loop", "queue", "conn", "client", "handshake_initiated", "handshake_complete", "close_sent",
     "close_timer", "read_paused",

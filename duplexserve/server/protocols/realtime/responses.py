@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duplexserve.codecs.formats import FRAME_MS
-from duplexserve.server import realtime_events as ev
+from duplexserve.server.protocols.realtime import events as ev
 
 Event = dict[str, Any]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from duplexserve.server.session import Session
+from duplexserve.server.core.session import Session
 
 #: 24 random bytes: 192 bits, above the protocol's floor of 128.
 TOKEN_BYTES = 24

@@ -5,7 +5,7 @@ aiortc moves every RTP packet through several coroutines: on the way in aioice's
 the DTLS transport's task, its RTP parser and router, the receiver; on the way out the
 sender's task waking on the track, its packetizer, header extensions, serializer, and
 two more awaits down to the socket. On the 2-core machine the way in alone cost about
-35 us a packet more than here, and both ways with the shared clock (webrtc_clock.py)
+35 us a packet more than here, and both ways with the shared clock (clock.py)
 about 900 us of a call's 2.8 ms a frame (docs/benchmarks.md, WebRTC). Here:
 
 - :func:`fast_audio`: an Opus packet is SRTP-unprotected and cut out of its RTP header

@@ -14,9 +14,10 @@ then on
   ``on_writable`` is called when it drains again;
 - ``on_lost`` is called once when the connection is gone.
 
-Frames are read by :class:`duplexserve.server.ws_frames.FrameReader` (the common data
-frame here, everything else by websockets), in slices and within the connection's budgets
-(:class:`duplexserve.server.ws_budgets.MeteredProtocol`). The subclass reads internals of both
+Frames are read by :class:`~duplexserve.server.transports.websocket.frames.FrameReader` (the
+common data frame here, everything else by websockets), in slices and within the
+connection's budgets (:class:`~duplexserve.server.transports.websocket.budgets.MeteredProtocol`).
+The subclass reads internals of both
 libraries (the attributes and methods listed below); :func:`fast_path_problem` checks
 once at start-up that the installed versions have them, and the server falls back to
 uvicorn's own ``websockets-sansio`` protocol when they do not. An app that does not
@@ -36,7 +37,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from uvicorn.server import ServerState
 from websockets.server import ServerProtocol
 
-from duplexserve.server.ws_budgets import (
+from duplexserve.server.transports.websocket.budgets import (
     METERED_METHODS,
     METERED_STATE,
     METERED_WEBSOCKETS_METHODS,
@@ -44,7 +45,7 @@ from duplexserve.server.ws_budgets import (
     SLICE_FRAMES,
     MeteredProtocol,
 )
-from duplexserve.server.ws_frames import (
+from duplexserve.server.transports.websocket.frames import (
     FIN_BINARY,
     FIN_TEXT,
     FRAGMENT_SIZE,
@@ -69,7 +70,7 @@ def _ignore(*_: Any) -> None:
 
 
 #: What the subclass reads of uvicorn's ``WebSocketsSansIOProtocol`` beyond the asyncio
-#: protocol interface and what its base reads (``ws_budgets.METERED_*``): instance state
+#: protocol interface and what its base reads (``budgets.METERED_*``): instance state
 #: set in ``__init__``, and the methods it overrides or calls.
 UVICORN_STATE = (
     *METERED_STATE, "config", "disconnected", "close_timeout", "writable", "frames", "curr_msg_data_type",
@@ -96,7 +97,7 @@ def fast_path_problem() -> str | None:
 
 
 def fallback_problem() -> str | None:
-    """The same for :class:`~duplexserve.server.ws_fallback.SansIOFallback`, which reads less."""
+    """The same for :class:`~.fallback.SansIOFallback`, which reads less."""
     return _lacking(METERED_STATE, METERED_METHODS, (), METERED_WEBSOCKETS_METHODS)
 
 
@@ -151,7 +152,7 @@ class FastWebSocketProtocol(MeteredProtocol):
     ) -> None:
         """Switch this accepted connection to callbacks; messages that arrived before are
         delivered first, in order. A data frame longer than ``max_message`` bytes comes to
-        ``on_message`` as an :class:`~duplexserve.server.ws_frames.Oversized` (its length
+        ``on_message`` as an :class:`~duplexserve.server.transports.websocket.frames.Oversized` (its length
         only), for the app to refuse with its own error event; its payload is dropped."""
         self._on_message, self._on_lost, self._on_writable = on_message, on_lost, on_writable
         self.reader.refuse_over = max_message

@@ -1,6 +1,6 @@
 """Twilio Media Streams messages, both ways, and the counters the adapter keeps.
 
-Kept apart from the adapter (:mod:`duplexserve.server.twilio`) so that the wire shapes
+Kept apart from the adapter (:mod:`duplexserve.server.protocols.twilio.adapter`) so that the wire shapes
 are in one place: what Twilio sends is parsed here into plain values or a
 :class:`BadMessage`, and what goes back is written here as JSON text. Facts from
 Twilio's "Media Streams - WebSocket Messages" page; Telnyx, Plivo and Vonage use nearly

@@ -26,8 +26,8 @@ from duplexserve import errors
 from duplexserve.codecs.formats import FRAME_SAMPLES
 from duplexserve.engine_bridge.engine import NO_TAIL, Tail
 from duplexserve.errors import SessionError
-from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
-from duplexserve.server.turnaround import FrameTimer
+from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Notice, Outgoing, TextOut
+from duplexserve.server.core.turnaround import FrameTimer
 
 
 class State(enum.Enum):
@@ -74,7 +74,7 @@ class Session:
         self.closed_event: ClosedOut | None = None
         self.started = 0.0  # set by whoever owns the clock
         self.last_activity = 0.0  # also the receive time of the message being fed in
-        #: No connection holds the session; it waits for a resume (server/resume.py).
+        #: No connection holds the session; it waits for a resume (server/core/resume.py).
         self.detached = False
         #: Times every frame's turnaround; fed the receive time of each message with a frame.
         self.timer = timer

@@ -9,17 +9,17 @@ What is taken from aiortc and what is not:
 - Incoming audio is **not** aiortc's: its receiver reassembles packets in its own jitter
   buffer and decodes them with PyAV in a thread per track, with no loss concealment.
   :func:`tap_audio` replaces the receiver's RTP handler on the instance, so each Opus
-  payload goes straight to the call's own jitter buffer (server/webrtc_jitter.py) and
+  payload goes straight to the call's own jitter buffer (server/transports/webrtc/jitter.py) and
   libopus decoder (codecs/opus_rtp.py), which conceal and recover lost packets. And
-  ``webrtc_rtp.fast_audio`` takes those packets even earlier, as the ICE connection
-  receives them (server/webrtc_rtp.py).
+  ``rtp.fast_audio`` takes those packets even earlier, as the ICE connection
+  receives them (server/transports/webrtc/rtp.py).
 - Outgoing audio is encoded by libopus here, at the model's 24 kHz, and sent by
-  ``webrtc_rtp.RtpSendStream`` as RTP of our own; :class:`OutgoingAudio` hands the same
+  ``rtp.RtpSendStream`` as RTP of our own; :class:`OutgoingAudio` hands the same
   packets to aiortc's sender, which only packetizes them, where that stream cannot.
 
 :func:`internals_problem` checks the one aiortc internal this reads
-(``RTCRtpReceiver._handle_rtp_packet``) at start-up, as ws_protocol.py does for uvicorn's;
-server/webrtc_rtp.py checks its own on each call and leaves the call to aiortc's path
+(``RTCRtpReceiver._handle_rtp_packet``) at start-up, as transports/websocket/protocol.py does for uvicorn's;
+server/transports/webrtc/rtp.py checks its own on each call and leaves the call to aiortc's path
 where one is missing.
 """
 

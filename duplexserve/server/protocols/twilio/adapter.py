@@ -1,7 +1,7 @@
 """Twilio Media Streams at ``/v1/twilio``: phone calls on the same session core.
 
 ``<Connect><Stream url="wss://host/v1/twilio">`` makes Twilio open a WebSocket and
-stream the call as JSON text (:mod:`twilio_wire` has the shapes): ``connected``,
+stream the call as JSON text (:mod:`.wire` has the shapes): ``connected``,
 ``start``, a ``media`` message of 20 ms mu-law at 8 kHz every 20 ms, ``dtmf``, ``mark``
 echoes and ``stop``. Inbound mu-law is gathered into whole 80 ms model frames (640
 bytes) and decoded inline (G.711 table, soxr 8 -> 24 kHz): one conversion per frame, not
@@ -30,13 +30,14 @@ from typing import Any
 from duplexserve import errors
 from duplexserve.codecs.formats import AudioFormat
 from duplexserve.codecs.pipeline import make_decoder, make_encoder
-from duplexserve.server import auth, personas
-from duplexserve.server import twilio_wire as wire
-from duplexserve.server.connection import Connection
-from duplexserve.server.events import AudioOut, ClosedOut, ErrorOut, Outgoing
+from duplexserve.server import auth
+from duplexserve.server.core import prompts
+from duplexserve.server.core.adapter import ProtocolAdapter
+from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Outgoing
 from duplexserve.server.log_redaction import clip
-from duplexserve.server.moshi_chat import engine_params
-from duplexserve.server.twilio_wire import COUNTS, BadMessage
+from duplexserve.server.protocols.moshi_chat import engine_params
+from duplexserve.server.protocols.twilio import wire
+from duplexserve.server.protocols.twilio.wire import COUNTS, BadMessage
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ _CALL_GONE = ("client_closed", "disconnected")
 _START_REFUSALS = {"invalid_start": errors.INVALID_PAYLOAD, "unsupported_format": errors.UNSUPPORTED_DATA}
 
 
-class TwilioConnection(Connection):
+class TwilioConnection(ProtocolAdapter):
     protocol = "twilio"
     deferred_auth = True  # the key comes in the start event
 
@@ -119,7 +120,7 @@ class TwilioConnection(Connection):
             return False
         if not await self.open_session(params):
             return False
-        prompt = personas.prompt_of(params)  # <Parameter name="text_prompt" .../>: media waits for it
+        prompt = prompts.prompt_of(params)  # <Parameter name="text_prompt" .../>: media waits for it
         refused = await self.run_prompt(prompt) if prompt else None
         if refused is not None:
             if refused.fatal:
@@ -143,14 +144,14 @@ class TwilioConnection(Connection):
         loop, deadline = self._loop, self._loop.time() + limit
         while True:
             try:
-                message = await asyncio.wait_for(self._receive(), max(0.0, deadline - loop.time()))
+                message = await asyncio.wait_for(self.transport.receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 await self.refuse(errors.POLICY, "no_start", f"no start event within {limit:g} s")
                 return None
-            if message["type"] != "websocket.receive":
+            if message is None:
                 return None  # gone before start
             try:
-                event = wire.parse(message.get("text"))
+                event = wire.parse(message if message.__class__ is str else None)  # type: ignore[arg-type]
                 kind = event["event"]
                 if kind == "start":
                     return wire.parse_start(event)
