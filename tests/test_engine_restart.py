@@ -189,20 +189,9 @@ def spawned_children(server_pid: int) -> dict[int, str]:
 
 def engine_child(server_pid: int) -> int:
     """The engine process the server spawned (not its spare, nor multiprocessing's resource tracker)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if ppid == server_pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == ENGINE_NAME:
-                    return int(pid)
+    for pid, name in spawned_children(server_pid).items():
+        if name == ENGINE_NAME:
+            return pid
     raise AssertionError("no engine process found")
 
 
