@@ -132,7 +132,7 @@ def test_four_replicas_behind_the_generated_site(server_factory, tmp_path, monke
         assert sorted(r for _, r in live[8:]) == [1, 2, 3]
         assert counts() == [3, 3, 3, 3]
         assert await refused_status(url) == 503  # every replica full
-        await asyncio.sleep(2.5)  # nginx skips a replica that said 503 for fail_timeout (2 s)
+        await asyncio.sleep(test_nginx.FAIL_TIMEOUT_WAIT_S)  # nginx skips a replica that said 503
         # Room on replicas 1 and 2; replica 3 drains (SIGTERM) with its three calls open.
         for replica in (1, 2):
             session = next(s for s, r in live if r == replica)

@@ -59,7 +59,7 @@ from tests.docker_images import (
     wait_for,
 )
 from tests.native_client import converse, signal
-from tests.test_nginx import Live, refused_status
+from tests.test_nginx import FAIL_TIMEOUT_WAIT_S, Live, refused_status
 
 CPU_GRACE_S = 30
 
@@ -300,7 +300,7 @@ def test_compose_scale_sends_sessions_past_a_full_replica(stack) -> None:
 
     asyncio.run(main())
     wait_for("sessions to close", lambda: counts(stack) == (0, 0), timeout=10)
-    time.sleep(2.5)  # nginx's fail_timeout for the replicas that said 503
+    time.sleep(FAIL_TIMEOUT_WAIT_S)  # nginx's fail_timeout for the replicas that said 503
 
 
 def test_compose_loadgen_profile_against_nginx(stack) -> None:

@@ -45,7 +45,7 @@ from tests.docker_images import (
     wait_for,
 )
 from tests.test_kubernetes import KUBE, RESERVE_S, one, render
-from tests.test_nginx import Live, refused_status
+from tests.test_nginx import FAIL_TIMEOUT_WAIT_S, Live, refused_status
 
 # The first test also waits for the builds (2 min idle, 6 under load): a generous limit.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
@@ -373,7 +373,7 @@ def test_four_replicas_compose_on_the_cpu_image_spreads_retries_and_drains(fleet
         assert counts() == [SLOTS] * REPLICAS
         assert await refused_status(fleet.ws()) == 503  # every replica full: nginx's own 503
         await asyncio.gather(*(s.exchange(2) for s in direct + [s for s, _ in live]))
-        await asyncio.sleep(2.5)  # nginx's fail_timeout for the replicas that said 503
+        await asyncio.sleep(FAIL_TIMEOUT_WAIT_S)  # nginx's fail_timeout for the replicas that said 503
 
         # Room on replicas 1 and 2; replica 3 is stopped (SIGTERM) with its three calls open.
         for r in (1, 2):

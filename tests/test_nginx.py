@@ -30,6 +30,9 @@ NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 SHIPPED_CONF = Path(__file__).resolve().parent.parent / "docker" / "nginx" / "duplexserve.conf"
 FRAME_BYTES = 1920 * 4
 REPLICA = ("--refuse-with-http-503",)
+#: How long to wait for nginx to try again a replica that said 503 (``max_fails=1
+#: fail_timeout=2s``): nginx keeps its clock in whole seconds, so "2 s" can last up to 3.
+FAIL_TIMEOUT_WAIT_S = 3.2
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(NGINX), reason=f"nginx not installed at {NGINX} (Debian package nginx)"
