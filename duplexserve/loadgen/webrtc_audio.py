@@ -3,8 +3,8 @@
 A WebRTC call carries Opus in RTP packets, lossy both ways, so the echo engine's answer
 is not the audio sent but the audio sent *as the server heard it*, encoded by the
 server, decoded by the client. :class:`EchoReplay` replays that path here, packet for
-packet with the same libopus calls as server/webrtc.py, so the loadgen's content guard
-stays byte for byte: a frame that the server concealed, reordered, dropped or gave
+packet with the same libopus calls as server/transports/webrtc/call.py, so the loadgen's
+content guard stays byte for byte: a frame that the server concealed, reordered, dropped or gave
 another session fails it, as on the other protocols.
 
 :class:`FrameAssembler` groups the server's packets back into its 80 ms frames by RTP
