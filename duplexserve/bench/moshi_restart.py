@@ -1,8 +1,8 @@
 """``duplexserve bench moshi-restart``: how long a GPU serves nobody after its engine dies.
 
 Starts the server as ``moshi-rtf`` does, streams N paced sessions, SIGKILLs the engine
-process (the process holding the GPU, as ``nvidia-smi`` lists it; else the server's
-largest child) ``--kill-at`` seconds in, then measures from the kill: when ``/ready``
+process (the child ``ps`` names ds-engine, the one holding the GPU; not its spare)
+``--kill-at`` seconds in, then measures from the kill: when ``/ready``
 answers 200 again, and when a new session of one second first completes with every frame
 answered. It also counts how the live sessions ended: each must be told (``engine_error``,
 docs/protocol.md's restart rule), none may go on silently. A JSON line goes to ``--out``.
@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 
@@ -32,25 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_pid(server_pid: int) -> int | None:
-    """The process holding the GPU (the engine process), else the child named as the engine
-    process (not its spare), else the server's largest child."""
-    try:
-        listed = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.split()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        listed = []
-    children = _children(server_pid)
-    for pid in map(int, listed):
-        if pid in children:
-            return pid
-    for pid in children:
+    """The server's child named as the engine process (``ps``: ds-engine; not its spare, not
+    a codec worker): the process holding the GPU."""
+    for pid in _children(server_pid):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
             if f.read().strip() == ENGINE_NAME:
                 return pid
-    sizes = {pid: _rss(pid) for pid in children}
-    return max(sizes, key=sizes.__getitem__) if sizes else None
+    return None
 
 
 def _children(pid: int) -> set[int]:
@@ -63,14 +50,6 @@ def _children(pid: int) -> set[int]:
         except OSError:
             continue
     return found
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def _ready(port: int) -> bool:
