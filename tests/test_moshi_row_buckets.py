@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from duplexserve.engine_bridge.moshi import row_buckets
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 from duplexserve.engine_bridge.moshi.reference import server_loop, stock_models
-from duplexserve.engine_bridge.moshi.row_buckets import RowMap, bucket_sizes
+from duplexserve.engine_bridge.moshi.row_buckets import RING_SLOTS, RowMap, bucket_sizes
 from tests.test_moshi_equivalence import CONTEXT, run_sessions
 
 # (slot, first step, frames, steps skipped) in 6 slots: three sessions end at step 9-10,
@@ -121,3 +122,53 @@ def test_bucket_changes_answer_as_the_full_batch(monkeypatch, kv_dtype):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(audio, full_audio, strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def ring_buffers(engine: MoshiEngine) -> set[int]:
+    """The ids of the KV rings' slot buffers (keys and values, the 8-bit ring's scales)."""
+    rings = [getattr(state, "kv_cache", None) for state in engine._rows.views.by_size[engine.num_slots]]
+    return {id(getattr(ring, name)) for ring in rings for name in ("cache", "scale") if hasattr(ring, name)}
+
+
+def warm_every_bucket(engine: MoshiEngine) -> None:
+    """``engine._warm_bucket`` at every bucket size, checking that no row's state changed."""
+    views, rings = engine._rows.views, ring_buffers(engine)
+    before = [t.clone() for t, _ in views.tensors]
+    for size in engine._rows.sizes:
+        engine._warm_bucket(size)
+    for (after, axis), was in zip(views.tensors, before, strict=True):
+        if id(after) not in rings:
+            assert torch.equal(after, was)
+            continue
+        # A masked row writes its next slot, as one without a frame does: the step that
+        # comes writes it first (Mimi's transformers take two a step).
+        at = (after != was).nonzero()
+        for row in at[:, axis].unique():
+            assert len(at[at[:, axis] == row, RING_SLOTS].unique()) <= 2
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_warm_steps_between_live_steps_change_no_session(kv_dtype):
+    """A bucket captured after ready (``_warm_bucket``, ``--moshi-warm-rows``) runs a step's
+    kernels with every row masked off: run before every step at every bucket size, it leaves
+    every row's state as it was and every session's answer as an engine without them."""
+    answers = []
+    for warm in (False, True):
+        engine = make_engine(kv_dtype=kv_dtype)
+        try:
+            if warm:
+                step = engine.step
+
+                def step_after_warm_ups(slots, frames, engine=engine, step=step):
+                    warm_every_bucket(engine)
+                    return step(slots, frames)
+
+                engine.step = step_after_warm_ups
+            answers.append(run_sessions(engine, SESSIONS)[:2])
+        finally:
+            engine.stop()
+    (audio, tokens), (warm_audio, warm_tokens) = answers
+    for a, b in zip(tokens, warm_tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(audio, warm_audio, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -366,7 +366,7 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
 #: (``--moshi-kv-dtype``) both set it, the value goes to serve as ``moshi_<name>``.
 ENGINE_OPTIONS = (
     "context", "attention", "kv_dtype", "depformer",
-    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs",
+    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs", "warm_rows",
 )  # fmt: skip
 
 
@@ -579,10 +579,11 @@ def add_steps_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--out", default="")
 
 
-def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
+def add_rtf_arguments(r: argparse.ArgumentParser, warm_rows: int = 0) -> None:
     """Each option that sets up the server also takes serve's name for it (``--moshi-kv-dtype``
     beside ``--kv-dtype``, ``--engine-tick-ms`` beside ``--tick-ms``): a setup reads the same
-    in both commands, and the run prints the serve command it starts."""
+    in both commands, and the run prints the serve command it starts. ``warm_rows``: every
+    bucket captured before ready by default, so that no run's first steps capture one."""
     r.add_argument("--preset", "--moshi-preset", default="hibiki-2b-class")
     r.add_argument(
         "--sessions",
@@ -602,6 +603,13 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--mimi-graph", "--moshi-mimi-graph", default="whole", choices=("parts", "whole"))
     r.add_argument(
         "--mimi-convs", "--moshi-mimi-convs", default="fused", choices=("stock", "fused", "fused-cl")
+    )
+    r.add_argument(
+        "--warm-rows",
+        "--moshi-warm-rows",
+        type=int,
+        default=warm_rows,
+        help="the server's --moshi-warm-rows (buckets captured before ready; 0: all of them)",
     )
     r.add_argument(
         "--tick-ms",

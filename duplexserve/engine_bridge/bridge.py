@@ -180,6 +180,7 @@ class EngineBridge:
         self.running = False  # False while starting, restarting or stopped: /ready says 503
         self.abandoned = False  # set when a stalled engine is replaced: its thread exits
         self.step_started = 0.0  # monotonic start of the step in progress, 0 when idle
+        self._cold = True  # the engine may have start-up work left (Engine.warm), until it says not
 
     # ------------------------------------------------------------------ loop side
     async def start(self) -> None:
@@ -322,10 +323,13 @@ class EngineBridge:
         try:
             while True:
                 if not batcher.pending and not self._prompts:  # idle: block for work, let a batch gather
+                    warm = self._cold and not self._open  # start-up work left, and no frame to delay
                     try:
-                        entry = sync_q.get(timeout=_ALIVE_CHECK_S)
+                        entry = sync_q.get_nowait() if warm else sync_q.get(timeout=_ALIVE_CHECK_S)
                     except janus.SyncQueueEmpty:  # idle sessions learn of a dead engine too, and
-                        if not self.engine.alive():  # with none, /ready says so until it is back
+                        if warm:
+                            self._warm()
+                        elif not self.engine.alive():  # with none, /ready says so until it is back
                             self._restart("engine_died")
                         continue
                     if self._take_all(entry):
@@ -366,6 +370,17 @@ class EngineBridge:
                 self.engine.stop()
             except Exception:
                 log.exception("engine failed to stop cleanly")
+
+    def _warm(self) -> None:
+        """The engine's start-up work left for later, a piece at a time (``Engine.warm``)."""
+        self.step_started = time.monotonic()  # the stall check covers it as it does a step
+        try:
+            self._cold = self.engine.warm()
+        except Exception:
+            log.exception("engine failed in its idle warm-up")
+            self._restart("step_failed" if self.engine.alive() else "engine_died")
+        finally:
+            self.step_started = 0.0
 
     def _gather_wait(self, sync_q: Any, wait: float) -> tuple[float, list[tuple[int, int, Any]]] | None:
         """Wait up to ``wait`` for the frames due within the coming step (``batcher.Gather``),
@@ -532,6 +547,7 @@ class EngineBridge:
                 delay = min(delay * 2, 5.0)
             else:
                 self.counts.engine_restarts += 1
+                self._cold = True
                 self.running = True
                 return
 

@@ -79,6 +79,11 @@ class Engine(ABC):
         every session it held and starts it again. Checked when idle and after a failure."""
         return True
 
+    def warm(self) -> bool:
+        """Do one piece of the start-up work left for later (a bucket's CUDA graphs); the
+        bridge calls it while no session is open. True while more remains."""
+        return False
+
     @abstractmethod
     def open(self, slot: int, params: dict[str, Any]) -> None:
         """Give ``slot`` a fresh state for a new session."""

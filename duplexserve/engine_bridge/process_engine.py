@@ -153,6 +153,9 @@ class ProcessEngine(Engine):
     def prompt_cached(self, params: dict[str, Any]) -> bool:
         return bool(self._call(("prompt_cached", params)))
 
+    def warm(self) -> bool:
+        return bool(self._call(("warm",)))
+
     def end_input(self, slot: int, frames: int) -> None:
         self._post(("end_input", slot, frames))
 
@@ -257,6 +260,9 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
                     assert engine is not None
                     engine.prompt(message[1], message[2])
                     conn.send(("ok", None))
+                elif kind == "warm":
+                    assert engine is not None
+                    conn.send(("ok", engine.warm()))
                 elif kind == "prompt_cached":
                     assert engine is not None
                     conn.send(("ok", engine.prompt_cached(message[1])))

@@ -51,10 +51,14 @@ log = logging.getLogger(__name__)
 #: A step longer than a frame (and twice the mean) makes every live session's answer late past a
 #: one-frame playback buffer: it is logged with what it did.
 SLOW_STEP_S = 0.08
+#: A bucket's warm-up calls (``_warm_bucket``): eager, captured, replayed.
+WARM_CALLS = 3
 #: What ``start()`` imports: a spare engine process imports them before it waits
 #: (process_engine.py), so that a restart does not (torch and Triton alone take seconds).
 START_IMPORTS = (
     "torch",
+    "torch._dynamo",  # the first step's torch.compile (moshi's gating, RoPE, RMSNorm) imports these
+    "torch._inductor.compile_fx",
     "moshi.models",
     "moshi.run_inference",
     "moshi.utils.compile",
@@ -111,6 +115,7 @@ class MoshiEngine(Engine):
         prompt_cache_mb: int = 1024,
         threads: int = 0,
         cuda_graphs: bool = True,
+        warm_rows: int = 0,
         attention: str = "live",
         kv_dtype: str = "bf16",
         depformer: str = "lean",
@@ -141,6 +146,8 @@ class MoshiEngine(Engine):
         self.prompt_cache_bytes = prompt_cache_mb * 2**20
         self.threads = threads
         self.cuda_graphs = cuda_graphs
+        self.warm_rows = warm_rows
+        self._cold: list[int] = []  # buckets whose graphs are not captured yet, smallest first
         self.attention = attention
         self.kv_dtype = kv_dtype
         if depformer not in ("stock", "lean"):
@@ -228,9 +235,10 @@ class MoshiEngine(Engine):
         )  # fmt: skip
         if drop_user_steps(lm):  # PersonaPlex: moshi sized Mimi for all 16 steps
             mimi.set_num_codebooks(lm.n_q - lm.dep_q)
+        phase("lm")
         if self.preset is not None:
             _calibrate_codebooks(mimi)
-        phase("lm")
+            phase("codebooks")
         if self.family.prompted:
             self._layout = StreamLayout.of(lm, mimi)
             # A .pt voice's embeddings on the GPU once: copied from the host at each prompt, they
@@ -356,7 +364,9 @@ class MoshiEngine(Engine):
         self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
         if phase is not None:
             phase("state")
-        self._warm_up(self._rows.sizes if graphed else [b], phase)
+        warm = [n for n in self._rows.sizes if n <= self.warm_rows] if self.warm_rows else self._rows.sizes
+        self._cold = [n for n in self._rows.sizes if n not in warm] if graphed else []
+        self._warm_up(warm if graphed else [b], phase)
         if plan is not None:  # what the plan's allowance beyond the ring is measured against
             used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
             rings = (b + self.family.prompted) * plan.kv_per_slot  # the prefill's scratch row has one
@@ -472,14 +482,11 @@ class MoshiEngine(Engine):
         self._allocate(num_slots)
 
     def _warm_up(self, sizes: list[int], phase: _PhaseClock | None = None) -> None:
-        """Step each of ``sizes`` rows until its CUDA graphs are captured and replayed (the
-        full batch last, so the full-size states are current), then reset every row."""
+        """Capture the CUDA graphs of each bucket of ``sizes`` rows (``_warm_bucket``), then
+        run the default prompt's prefill once (prompted families)."""
         self._warming = True
         for size in sizes:
-            everyone = np.arange(size)
-            silence = np.zeros((size, self.frame_samples), np.float32)
-            for _ in range(self.delay_frames + 3):
-                self.step(everyone, silence)
+            self._warm_bucket(size)
             if phase is not None:
                 phase(f"warm-up {size}")
         if self.family.prompted:  # the default prompt's prefill: its kernels, and the cache
@@ -495,6 +502,45 @@ class MoshiEngine(Engine):
         self._lead[:] = self.delay_frames
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
         self._warming = False
+
+    def _warm_bucket(self, size: int) -> None:
+        """A step's kernels at bucket ``size`` with every row masked off, ``WARM_CALLS`` times:
+        moshi's ``CUDAGraphed`` runs its first call eagerly (compiling), captures at the second
+        and replays. A masked row keeps its state (a session without a frame in a step is
+        masked the same way), so this may run between the steps of live sessions."""
+        torch = self._torch
+        with torch.no_grad(), self._no_compile():
+            self._rows.views.use(size)
+            encode, decode = self._mimi_fns[size]
+            self._exec[:] = False
+            self._mask_dev.copy_(self._exec_host, non_blocking=True)
+            self._refresh_lm_mask()
+            self._forcing = None
+            for _ in range(WARM_CALLS):
+                codes = encode(self._in_dev[:size])
+                if self.family.prompted:
+                    codes = self._hold_back(codes, size)
+                tokens = self.lm_gen.step(codes)
+                decode(tokens[:, 1:].clamp(min=0))
+            if self.device.type == "cuda":  # the pinned mask is rewritten by the next step
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def warm(self) -> bool:
+        """Capture the smallest bucket still cold (``--moshi-warm-rows``); the bridge calls it
+        while no session is open, so it delays no live frame."""
+        if self._cold:
+            size = self._cold.pop(0)
+            started = time.perf_counter()
+            self._warming = True
+            try:
+                self._warm_bucket(size)
+            finally:
+                self._warming = False
+            log.info(
+                "moshi engine: the %d-row bucket's graphs captured in %.2f s while idle, %d buckets to go",
+                size, time.perf_counter() - started, len(self._cold),
+            )  # fmt: skip
+        return bool(self._cold)
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._rows.map.open(slot)  # the lowest free row, reset before it next steps
@@ -842,6 +888,7 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         prompt_cache_mb=config.prompt_cache_mb,
         threads=config.moshi_threads,
         cuda_graphs=config.moshi_cuda_graphs,
+        warm_rows=config.moshi_warm_rows,
         attention=config.moshi_attention,
         kv_dtype=config.moshi_kv_dtype,
         depformer=config.moshi_depformer,
