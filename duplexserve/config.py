@@ -121,7 +121,7 @@ class ServerConfig:
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
     moshi_warm_rows: int = _opt(
-        16,
+        4,
         "moshi engine: the buckets of up to this many rows have their CUDA graphs captured before the"
         " engine is ready, the larger ones while no session is open (or at their first step); 0: every"
         " bucket before ready (docs/moshi-engine.md, Start-up and restart)",
