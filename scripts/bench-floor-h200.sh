@@ -8,8 +8,9 @@
 #   hibiki2b-bf16-N     Hibiki 2B, bf16 KV
 #   ...-on              the same with --engine-gather on (docs/moshi-engine.md, Gathering)
 #   ...-xR              R runs one after another on the same server
-#   restart-N[-off]     Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed 20 s in
-#                       (-off: --engine-spare off, the restart spawns and imports anew)
+#   restart-N[-off][-eager]  Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed
+#                       20 s in (-off: --engine-spare off, the restart spawns and imports anew;
+#                       -eager: --moshi-compile off)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 export PYTHONUNBUFFERED=1
@@ -32,8 +33,13 @@ for step in "$@"; do
     zero3b) preset=hibiki-zero-3b ;;
     hibiki2b) preset=hibiki-2b ;;
     restart)
+      spare=on; compile=on
+      for extra in "${parts[@]:2}"; do
+        [ "$extra" = off ] && spare=off
+        [ "$extra" = eager ] && compile=off
+      done
       python3 -m duplexserve bench moshi-restart --preset hibiki-zero-3b --kv-dtype int8 --engine-process \
-        --engine-spare "${parts[2]:-on}" --sessions "${parts[1]}" --seconds 45 --kill-at 20 \
+        --engine-spare "$spare" --moshi-compile "$compile" --sessions "${parts[1]}" --seconds 45 --kill-at 20 \
         --server-log "$log" --out "$OUT/restart.jsonl"
       grep -h "engine ready\|engine restart\|engine process ready" "$log" | cut -c1-700
       continue ;;

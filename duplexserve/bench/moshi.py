@@ -366,7 +366,7 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
 #: (``--moshi-kv-dtype``) both set it, the value goes to serve as ``moshi_<name>``.
 ENGINE_OPTIONS = (
     "context", "attention", "kv_dtype", "depformer",
-    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs", "warm_rows",
+    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs", "compile", "warm_rows",
 )  # fmt: skip
 
 
@@ -604,6 +604,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser, warm_rows: int = 0) -> None:
     r.add_argument(
         "--mimi-convs", "--moshi-mimi-convs", default="fused", choices=("stock", "fused", "fused-cl")
     )
+    r.add_argument("--compile", "--moshi-compile", default="on", choices=("on", "off"))
     r.add_argument(
         "--warm-rows",
         "--moshi-warm-rows",

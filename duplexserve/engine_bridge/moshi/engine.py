@@ -57,8 +57,6 @@ WARM_CALLS = 3
 #: (process_engine.py), so that a restart does not (torch and Triton alone take seconds).
 START_IMPORTS = (
     "torch",
-    "torch._dynamo",  # the first step's torch.compile (moshi's gating, RoPE, RMSNorm) imports these
-    "torch._inductor.compile_fx",
     "moshi.models",
     "moshi.run_inference",
     "moshi.utils.compile",
@@ -72,6 +70,8 @@ START_IMPORTS = (
     "duplexserve.engine_bridge.moshi.row_reset",
     "duplexserve.engine_bridge.moshi.user_steps",
 )
+#: What the first step's torch.compile imports (``--moshi-compile on``): seconds more of a start.
+COMPILE_IMPORTS = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,7 @@ class MoshiEngine(Engine):
         threads: int = 0,
         cuda_graphs: bool = True,
         warm_rows: int = 0,
+        compile: str = "on",
         attention: str = "live",
         kv_dtype: str = "bf16",
         depformer: str = "lean",
@@ -147,6 +148,9 @@ class MoshiEngine(Engine):
         self.threads = threads
         self.cuda_graphs = cuda_graphs
         self.warm_rows = warm_rows
+        if compile not in ("on", "off"):
+            raise ValueError(f"--moshi-compile {compile!r}: on or off")
+        self.compile = compile
         self._cold: list[int] = []  # buckets whose graphs are not captured yet, smallest first
         self.attention = attention
         self.kv_dtype = kv_dtype
@@ -281,7 +285,8 @@ class MoshiEngine(Engine):
             **self.sampling.lm_gen_kwargs(info.lm_gen_config),
         )
         self.mimi = mimi
-        self._no_compile = no_compile if device.type != "cuda" else contextlib.nullcontext
+        compiled = device.type == "cuda" and self.compile == "on"
+        self._no_compile = contextlib.nullcontext if compiled else no_compile
         self._eager = no_compile  # a prefill's shapes vary: compiled, each new one would compile anew
         phase("kernels")
         self._allocate(self.num_slots, phase)
@@ -889,6 +894,7 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         threads=config.moshi_threads,
         cuda_graphs=config.moshi_cuda_graphs,
         warm_rows=config.moshi_warm_rows,
+        compile=config.moshi_compile,
         attention=config.moshi_attention,
         kv_dtype=config.moshi_kv_dtype,
         depformer=config.moshi_depformer,
