@@ -483,12 +483,17 @@ def test_gpu_image_has_cuda_torch_and_moshi_as_install_moshi_pins_them(gpu_image
     moshi_pin = script.split('"moshi==', 1)[1].split('"', 1)[0]
     dockerfile = (DOCKER_DIR / "Dockerfile.gpu").read_text()
     assert f"ARG TORCH_VERSION={torch_pin}\n" in dockerfile
-    probe = ("import json, torch, moshi, duplexserve.engine_bridge.moshi.engine; print(json.dumps("
-             "{'torch': torch.__version__, 'cuda': torch.version.cuda, 'moshi': moshi.__version__}))")
+    # pip compiled the venv's bytecode: the server may not write it, and a process compiling
+    # some 2,000 modules from source takes seconds more to start (docs/moshi-engine.md).
+    probe = ("import json, os, importlib.util, torch, torch._dynamo.utils as u, moshi, "
+             "duplexserve.engine_bridge.moshi.engine; print(json.dumps("
+             "{'torch': torch.__version__, 'cuda': torch.version.cuda, 'moshi': moshi.__version__, "
+             "'bytecode': os.path.exists(importlib.util.cache_from_source(u.__file__))}))")
     out = sh("docker", "run", "--rm", "--entrypoint", "python", gpu_image, "-c", probe, timeout=120)
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["torch"].split("+")[0] == torch_pin and found["moshi"] == moshi_pin, found
     assert found["cuda"], f"torch {found['torch']} in the image is not a CUDA build"  # e.g. 13.0
+    assert found["bytecode"], found
     assert inspect(gpu_image, "{{.Config.User}}") == "10001"
 
 

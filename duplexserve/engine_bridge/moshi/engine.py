@@ -57,6 +57,10 @@ WARM_CALLS = 3
 #: (process_engine.py), so that a restart does not (torch and Triton alone take seconds).
 START_IMPORTS = (
     "torch",
+    # torch.compile's (moshi compiles its gating, RoPE and RMSNorm): on an H100 they moved 8 s
+    # out of the lm phase into the spare's imports. Kept with --moshi-compile off, as measured.
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
     "moshi.models",
     "moshi.run_inference",
     "moshi.utils.compile",
@@ -70,8 +74,6 @@ START_IMPORTS = (
     "duplexserve.engine_bridge.moshi.row_reset",
     "duplexserve.engine_bridge.moshi.user_steps",
 )
-#: What the first step's torch.compile imports (``--moshi-compile on``): seconds more of a start.
-COMPILE_IMPORTS = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 @dataclass(frozen=True)
