@@ -292,10 +292,10 @@ def test_fp32_matmul_reaches_the_engine_and_sets_torchs_precision():
 
 
 def test_the_start_is_timed_by_phase(engine):
-    """Where a start goes, in order: loading, the kernels, the state, each bucket's warm-up
-    (on the CPU one bucket: no graphs to capture). Every phase took some time, and together
-    they are the start."""
+    """Where a start goes, in order: loading, the random Mimi's codebooks, the kernels, the
+    state, each bucket's warm-up (on the CPU one bucket: no graphs to capture). Every phase
+    took some time, and together they are the start."""
     phases = engine.start_phases
-    assert list(phases) == ["mimi", "lm", "voices", "kernels", "state", f"warm-up {SLOTS}"]
+    assert list(phases) == ["mimi", "lm", "codebooks", "voices", "kernels", "state", f"warm-up {SLOTS}"]
     assert all(seconds >= 0 for seconds in phases.values())
     assert phases["lm"] > 0 and phases[f"warm-up {SLOTS}"] > 0
