@@ -51,7 +51,7 @@ def test_moshi_rtf_takes_serves_option_names_and_gives_the_serve_command_it_star
     assert argv == [
         "serve", "--engine", "moshi", "--moshi-preset", "hibiki-zero-3b", "--moshi-kv-dtype", "int8",
         "--moshi-mimi-convs", "fused-cl", "--max-sessions", "448", "--engine-process",
-        "--port", "18990", "--idle-timeout-s", "120",
+        "--moshi-warm-rows", "0", "--port", "18990", "--idle-timeout-s", "120",
     ]  # fmt: skip
     serve_parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(serve_parser)

@@ -366,7 +366,7 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
 #: (``--moshi-kv-dtype``) both set it, the value goes to serve as ``moshi_<name>``.
 ENGINE_OPTIONS = (
     "context", "attention", "kv_dtype", "depformer",
-    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs", "compile", "warm_rows",
+    "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs", "compile",
 )  # fmt: skip
 
 
@@ -390,6 +390,10 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
         *(["--engine-tick-ms", f"{args.tick_ms:g}"] if args.tick_ms != defaults.engine_tick_ms else []),
         *(["--engine-gather", args.gather] if args.gather != defaults.engine_gather else []),
         *(["--engine-spare", args.spare] if args.spare != defaults.engine_spare else []),
+        # Last, what changes nothing measured: when buckets are captured (before ready, or
+        # after), the port, the idle timeout.
+        *([] if args.synthetic_step_ms or args.warm_rows == defaults.moshi_warm_rows
+          else ["--moshi-warm-rows", str(args.warm_rows)]),
         "--port", str(args.port), "--idle-timeout-s", "120",
     ]  # fmt: skip
 
