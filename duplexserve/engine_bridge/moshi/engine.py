@@ -379,8 +379,9 @@ class MoshiEngine(Engine):
             rings = (b + self.family.prompted) * plan.kv_per_slot  # the prefill's scratch row has one
             self.memory_in_use = (used, rings)
             log.info(
-                "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f)",
-                used / 2**30, (used - rings) / b / 2**20, OTHER_PER_SLOT / 2**20,
+                "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f; "
+                "%d buckets' graphs not captured yet, --moshi-warm-rows 0 captures every one first)",
+                used / 2**30, (used - rings) / b / 2**20, OTHER_PER_SLOT / 2**20, len(self._cold),
             )  # fmt: skip
 
     def _prefix_moves(self, views: Any) -> None:
