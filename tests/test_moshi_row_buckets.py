@@ -172,3 +172,29 @@ def test_warm_steps_between_live_steps_change_no_session(kv_dtype):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(audio, warm_audio, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_warm_steps_keep_a_prompted_models_held_codes():
+    """PersonaPlex's rows hear their user codes a step late (``_hold_back``): a warm-up step
+    with every row masked off keeps the held codes too, and the answers are the same."""
+    answers = []
+    for warm in (False, True):
+        engine = MoshiEngine(
+            4, "tiny-personaplex", context=CONTEXT, sampling=Sampling(greedy=True), threads=1, dtype="float64"
+        )
+        engine.start()
+        try:
+            rng, audio = np.random.default_rng(0), []
+            for slot in (0, 1, 2):
+                engine.open(slot, {})
+            for step in range(12):
+                if warm:
+                    warm_every_bucket(engine)
+                slots = np.array([0, 1, 2] if step % 3 else [0, 2])  # slot 1 skips every third
+                frames = (0.1 * rng.standard_normal((len(slots), 1920))).astype(np.float32)
+                audio.append(engine.step(slots, frames).audio.copy())
+            answers.append(audio)
+        finally:
+            engine.stop()
+    for a, b in zip(*answers, strict=True):
+        np.testing.assert_array_equal(a, b)
