@@ -121,10 +121,10 @@ class ServerConfig:
     moshi_threads: int = _opt(0, "moshi engine: torch CPU threads (0: torch's default)")
     moshi_cuda_graphs: bool = _opt(True, "moshi engine: CUDA graphs, as the moshi library uses them")
     moshi_compile: str = _opt(
-        "on",
-        "moshi engine: the library's torch.compile of its gating, RoPE and RMSNorm on CUDA (on: as Kyutai"
-        " runs it, the faster step; off: eager, 10% slower a step at 336 rows on an H100, but no dynamo"
-        " to import and trace, which takes a start or restart 10-20 s; docs/moshi-engine.md)",
+        "off",
+        "moshi engine on CUDA: off: its RoPE and SiLU gate as duplexserve's kernels, one each, no"
+        " torch.compile; on: the library's torch.compile of them, as Kyutai runs it, whose dynamo trace"
+        " takes a start or restart 7-19 s longer (docs/moshi-engine.md, Start-up and restart)",
         ("on", "off"),
     )
     moshi_warm_rows: int = _opt(

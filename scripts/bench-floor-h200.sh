@@ -8,9 +8,11 @@
 #   hibiki2b-bf16-N     Hibiki 2B, bf16 KV
 #   ...-on              the same with --engine-gather on (docs/moshi-engine.md, Gathering)
 #   ...-xR              R runs one after another on the same server
-#   restart-N[-off][-eager]  Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed
+#   restart-N[-off][-compiled]  Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed
 #                       20 s in (-off: --engine-spare off, the restart spawns and imports anew;
-#                       -eager: --moshi-compile off)
+#                       -compiled: --moshi-compile on)
+#   steps-N[-compiled]  Hibiki-Zero 3B int8, the engine alone: 100 steps of N rows
+#                       (bench moshi-steps; -compiled: --moshi-compile on)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 export PYTHONUNBUFFERED=1
@@ -32,11 +34,16 @@ for step in "$@"; do
   case "${parts[0]}" in
     zero3b) preset=hibiki-zero-3b ;;
     hibiki2b) preset=hibiki-2b ;;
+    steps)
+      compile=off; [ "${parts[2]:-}" = compiled ] && compile=on
+      python3 -m duplexserve bench moshi-steps --preset hibiki-zero-3b --kv-dtype int8 --batches "${parts[1]}" \
+        --steps 100 --compile "$compile" --out "$OUT/$step.json" 2>&1 | grep -v Warning | tail -4
+      continue ;;
     restart)
-      spare=on; compile=on
+      spare=on; compile=off
       for extra in "${parts[@]:2}"; do
         [ "$extra" = off ] && spare=off
-        [ "$extra" = eager ] && compile=off
+        [ "$extra" = compiled ] && compile=on
       done
       python3 -m duplexserve bench moshi-restart --preset hibiki-zero-3b --kv-dtype int8 --engine-process \
         --engine-spare "$spare" --moshi-compile "$compile" --sessions "${parts[1]}" --seconds 45 --kill-at 20 \

@@ -87,8 +87,9 @@ def cmd_steps(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     lives = [int(n) for n in args.live.split(",")] if args.live else []
     engine = MoshiEngine(
-        batches[0], args.preset, device=args.device, context=args.context, kv_dtype=args.kv_dtype
-    )
+        batches[0], args.preset, device=args.device, context=args.context, kv_dtype=args.kv_dtype,
+        compile=args.compile,
+    )  # fmt: skip
     t = time.perf_counter()
     engine.start()
     print(f"built {args.preset} in {time.perf_counter() - t:.1f} s", flush=True)
@@ -143,6 +144,7 @@ def cmd_steps(args: argparse.Namespace) -> None:
         "preset": args.preset,
         "context": args.context,
         "kv_dtype": args.kv_dtype,
+        "compile": args.compile,
         "idle_gil_wait_ms_p99": 1000 * pct(idle, 99),
         "rows": rows,
     }
@@ -580,6 +582,7 @@ def add_steps_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--context", "--moshi-context", type=int, default=0)
     s.add_argument("--kv-dtype", "--moshi-kv-dtype", default="bf16", choices=("bf16", "int8"))
+    s.add_argument("--compile", "--moshi-compile", default="off", choices=("on", "off"))
     s.add_argument("--out", default="")
 
 
@@ -608,7 +611,7 @@ def add_rtf_arguments(r: argparse.ArgumentParser, warm_rows: int = 0) -> None:
     r.add_argument(
         "--mimi-convs", "--moshi-mimi-convs", default="fused", choices=("stock", "fused", "fused-cl")
     )
-    r.add_argument("--compile", "--moshi-compile", default="on", choices=("on", "off"))
+    r.add_argument("--compile", "--moshi-compile", default="off", choices=("on", "off"))
     r.add_argument(
         "--warm-rows",
         "--moshi-warm-rows",

@@ -225,9 +225,9 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(message)s")
     _name_process(SPARE_NAME)
     if config.engine == "moshi":
-        from duplexserve.engine_bridge.moshi.engine import START_IMPORTS
+        from duplexserve.engine_bridge.moshi.engine import COMPILE_IMPORTS, START_IMPORTS
 
-        for name in START_IMPORTS:
+        for name in START_IMPORTS + (COMPILE_IMPORTS if config.moshi_compile == "on" else ()):
             importlib.import_module(name)
     imported = time.time() - spawned  # from the parent's spawn: the start a spare saves
     shms = [_attach(name) for name in shm_names]

@@ -57,14 +57,11 @@ WARM_CALLS = 3
 #: (process_engine.py), so that a restart does not (torch and Triton alone take seconds).
 START_IMPORTS = (
     "torch",
-    # torch.compile's (moshi compiles its gating, RoPE and RMSNorm): on an H100 they moved 8 s
-    # out of the lm phase into the spare's imports. Kept with --moshi-compile off, as measured.
-    "torch._dynamo",
-    "torch._inductor.compile_fx",
     "moshi.models",
     "moshi.run_inference",
     "moshi.utils.compile",
     "duplexserve.engine_bridge.moshi.fused_norm",
+    "duplexserve.engine_bridge.moshi.fused_pointwise",
     "duplexserve.engine_bridge.moshi.lean_depformer",
     "duplexserve.engine_bridge.moshi.live_lm",
     "duplexserve.engine_bridge.moshi.live_mimi",
@@ -74,6 +71,9 @@ START_IMPORTS = (
     "duplexserve.engine_bridge.moshi.row_reset",
     "duplexserve.engine_bridge.moshi.user_steps",
 )
+#: torch.compile's, imported too with ``--moshi-compile on``: on an H100 they moved 8 s out of
+#: the lm phase into the spare's imports.
+COMPILE_IMPORTS = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class MoshiEngine(Engine):
         threads: int = 0,
         cuda_graphs: bool = True,
         warm_rows: int = 0,
-        compile: str = "on",
+        compile: str = "off",
         attention: str = "live",
         kv_dtype: str = "bf16",
         depformer: str = "lean",
@@ -196,6 +196,7 @@ class MoshiEngine(Engine):
         from moshi.utils.compile import no_compile
 
         from duplexserve.engine_bridge.moshi.fused_norm import install_fused_norms
+        from duplexserve.engine_bridge.moshi.fused_pointwise import install_fused_pointwise
         from duplexserve.engine_bridge.moshi.lean_depformer import install_lean_depformer
         from duplexserve.engine_bridge.moshi.live_attention import triton_available
         from duplexserve.engine_bridge.moshi.live_lm import install_live_attention
@@ -269,6 +270,10 @@ class MoshiEngine(Engine):
             log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
         if self.attention == "live":  # the LM's and the depformer's RMSNorms, one kernel each on CUDA
             install_fused_norms(lm)
+        compiled = device.type == "cuda" and self.compile == "on"
+        if not compiled:  # eager: moshi's RoPE and gate one kernel each on CUDA, as compiled
+            install_fused_pointwise(lm)
+            install_fused_pointwise(mimi)
         if self.mimi_attention == "live" and triton_available(device) and not install_ring_attention(mimi):
             log.warning("moshi engine: this Mimi's transformers cannot take the ring attention; stock")
         if self.mimi_convs != "stock" and triton_available(device):
@@ -287,7 +292,6 @@ class MoshiEngine(Engine):
             **self.sampling.lm_gen_kwargs(info.lm_gen_config),
         )
         self.mimi = mimi
-        compiled = device.type == "cuda" and self.compile == "on"
         self._no_compile = contextlib.nullcontext if compiled else no_compile
         self._eager = no_compile  # a prefill's shapes vary: compiled, each new one would compile anew
         phase("kernels")
