@@ -867,7 +867,10 @@ def _calibrate_codebooks(mimi: Any) -> None:
     x = torch.randn(batch, 1, frames * 1920, device=device, dtype=dtype)
     x = x * torch.rand(batch, 1, 1, device=device, dtype=dtype)
     quantizer = mimi.quantizer
-    with torch.no_grad():
+    # cuDNN's first convolution, and each new shape, cost 3-9 s on an H200 (its engines built
+    # at run time); torch's own convolutions take this one pass in 0.05 s, and the engine's step
+    # runs its own (mimi_convs.py)
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=False):
         latents = mimi._encode_to_unquantized_latent(x)
         quantizer.train()
         for _ in range(quantizer.total_codebooks):  # each call initialises the next layer
