@@ -859,6 +859,7 @@ def _calibrate_codebooks(mimi: Any) -> None:
     Mimi's training starts, makes the codes follow the input.
     """
     import torch
+    from moshi.utils.compile import no_compile
 
     device = next(mimi.parameters()).device
     batch = 16
@@ -867,10 +868,9 @@ def _calibrate_codebooks(mimi: Any) -> None:
     x = torch.randn(batch, 1, frames * 1920, device=device, dtype=dtype)
     x = x * torch.rand(batch, 1, 1, device=device, dtype=dtype)
     quantizer = mimi.quantizer
-    # cuDNN's first convolution, and each new shape, cost 3-9 s on an H200 (its engines built
-    # at run time); torch's own convolutions take this one pass in 0.05 s, and the engine's step
-    # runs its own (mimi_convs.py)
-    with torch.no_grad(), torch.backends.cudnn.flags(enabled=False):
+    # eager: compiled, the encoder's RoPE had dynamo trace and compile it, 9-11 s of a start on
+    # an H200, for one pass
+    with torch.no_grad(), no_compile():
         latents = mimi._encode_to_unquantized_latent(x)
         quantizer.train()
         for _ in range(quantizer.total_codebooks):  # each call initialises the next layer
