@@ -153,7 +153,8 @@ def test_the_kernels_compile_for_the_h100(interleave: bool):
         names = [name for name in kernel.arg_names if name not in constexprs]
         signature = {**dict(zip(names, types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+        options = {"num_warps": warps}
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
     rope_types = ["*bf16"] * 4 + ["*i64", "*fp32"] + ["i32"] * 10
     assert compiled(fused_pointwise._rope, rope_types, {"INTERLEAVE": interleave, "HALF": 64, "BLOCK": 64}, 1)

@@ -13,8 +13,9 @@ every engine process, again for each new batch shape: 7-19 s of an engine's star
 the keys together, in float32 as moshi does (``offset + t``, its product with the frequencies,
 cos and sin, the rotation), rounded once to the input's type. The angle is brought into
 ``[-pi, pi]`` before its cos and sin (libdevice's, exact to a float32 rounding), which then
-take their short path whatever the position: offsets grow for a whole session. ``FusedGating`` keeps moshi's two matmuls and does
-``silu(a) * b`` in one program a row, in float32 rounded once, as the compiled kernel does.
+take their short path whatever the position: offsets grow for a whole session. ``FusedGating``
+keeps moshi's two matmuls and does ``silu(a) * b`` in one program a row, in float32 rounded
+once, as the compiled kernel does.
 Anywhere else (the CPU, no Triton, another activation, quantized linears, heads before time)
 the library's code runs.
 """
