@@ -143,20 +143,11 @@ def test_the_kernels_compile_for_the_h100(interleave: bool):
     """The CUDA path the CPU tests cannot run: both kernels compiled by Triton for sm_90 here,
     with the argument types the engine passes (bf16 heads of 128, int64 offsets)."""
     pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from duplexserve.bench.kernel_sass import compile_sm90
     from duplexserve.engine_bridge.moshi import fused_pointwise
 
-    def compiled(kernel, types: list[str], constexprs: dict, warps: int) -> bytes:
-        names = [name for name in kernel.arg_names if name not in constexprs]
-        signature = {**dict(zip(names, types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        options = {"num_warps": warps}
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
-
     rope_types = ["*bf16"] * 4 + ["*i64", "*fp32"] + ["i32"] * 10
-    assert compiled(fused_pointwise._rope, rope_types, {"INTERLEAVE": interleave, "HALF": 64, "BLOCK": 64}, 1)
+    rope = {"INTERLEAVE": interleave, "HALF": 64, "BLOCK": 64}
+    assert compile_sm90(fused_pointwise._rope, rope_types, rope, {"num_warps": 1}).asm["cubin"]
     gate_types = ["*bf16", "*bf16", "i32", "i32"]
-    assert compiled(fused_pointwise._silu_mul, gate_types, {"BLOCK": 1024}, 4)
+    assert compile_sm90(fused_pointwise._silu_mul, gate_types, {"BLOCK": 1024}, {"num_warps": 4}).asm["cubin"]

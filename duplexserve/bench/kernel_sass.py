@@ -15,6 +15,7 @@ import collections
 import re
 import subprocess
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +28,41 @@ _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
 
 
+def compile_sm90(
+    kernel: Any,
+    types: list[str],
+    constexprs: dict[str, Any],
+    options: dict[str, Any],
+    by_16: Collection[str] = (),
+) -> Any:
+    """``kernel`` compiled by Triton for sm_90 (H100, H200) on this machine, with a GPU or not:
+    ``types`` the Triton types of its arguments but the ``constexprs``, in the kernel's order;
+    the arguments named in ``by_16`` marked multiples of 16, as the JIT specializes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [name for name in kernel.arg_names if name not in constexprs]  # the kernel's own order
+    signature: dict[str, str] = dict(zip(names, types, strict=True))
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in by_16}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def loop_counts(kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16) -> dict[str, Any]:
     """Registers, stack, shared memory and the main loop's instructions (all, the common path,
     the most frequent opcodes of it) of the tensor-core partials kernel for ``kv_dtype``."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from duplexserve.engine_bridge.moshi import live_attention
 
     kernel = live_attention._partials_int8_mma if kv_dtype == "int8" else live_attention._partials_mma
     ring = "*i8" if kv_dtype == "int8" else "*bf16"
     constexprs = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": head_dim, "GROUP": group}
-    names = [name for name in kernel.arg_names if name not in constexprs]  # the kernel's own order
     types = ["*bf16", ring, ring, "*bf16", "*bf16", "*i32", "*fp32", "*fp32", "*fp32", *["i32"] * 13, "fp32"]
-    signature: dict[str, str] = dict(zip(names, types, strict=True))
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in _BY_16}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": config.warps, "num_stages": config.stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = compile_sm90(kernel, types, constexprs, options, _BY_16)
     cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

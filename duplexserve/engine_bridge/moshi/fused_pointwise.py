@@ -49,10 +49,9 @@ class FusedRotary(RotaryEmbedding):
     def _frequencies(self, d: int, device: torch.device) -> torch.Tensor:
         """moshi's ``freqs``, made by torch as moshi makes them (the kernel's ``exp`` would differ
         by a float32 rounding, which a position of thousands makes a visible angle): once."""
-        cached = self.__dict__.get("_freqs")
+        cached = getattr(self, "_freqs", None)
         if cached is None or cached.shape[0] != d // 2 or cached.device != device:
-            cached = frequencies(d, self.max_period, device)
-            self.__dict__["_freqs"] = cached
+            cached = self._freqs = frequencies(d, self.max_period, device)
         return cached
 
 
