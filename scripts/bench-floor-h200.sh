@@ -7,12 +7,16 @@
 #   zero3b-bf16-N       Hibiki-Zero 3B, bf16 KV
 #   hibiki2b-bf16-N     Hibiki 2B, bf16 KV
 #   ...-on              the same with --engine-gather on (docs/moshi-engine.md, Gathering)
+#   ...-tf32            the same with --moshi-fp32-matmul tf32 (Mimi's float32 matmuls as TF32)
+#   ...-cl              the same with --moshi-mimi-convs fused-cl (Mimi's inputs channels last)
 #   ...-xR              R runs one after another on the same server
 #   restart-N[-off][-compiled]  Hibiki-Zero 3B int8, N live sessions, the engine process SIGKILLed
 #                       20 s in (-off: --engine-spare off, the restart spawns and imports anew;
 #                       -compiled: --moshi-compile on)
 #   steps-N[-compiled]  Hibiki-Zero 3B int8, the engine alone: 100 steps of N rows
 #                       (bench moshi-steps; -compiled: --moshi-compile on)
+#   breakdown-N         Hibiki-Zero 3B int8, the engine alone: where a step of N rows goes at 2.4 s
+#                       and 60 s of session age, the engine's defaults against tf32 + fused-cl
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 export PYTHONUNBUFFERED=1
@@ -39,6 +43,12 @@ for step in "$@"; do
       python3 -m duplexserve bench moshi-steps --preset hibiki-zero-3b --kv-dtype int8 --batches "${parts[1]}" \
         --steps 100 --compile "$compile" --out "$OUT/$step.json" 2>&1 | grep -v Warning | tail -4
       continue ;;
+    breakdown)
+      python3 -m duplexserve bench moshi-step breakdown --preset hibiki-zero-3b --kv-dtype int8 --attention live \
+        --batches "${parts[1]}" --ages 30,750 --steps 20 \
+        --builds live/lean/live/float32/whole/fused,live/lean/live/tf32/whole/fused-cl \
+        --out "$OUT/$step.json" 2>&1 | grep -v Warning | tail -8
+      continue ;;
     restart)
       spare=on; compile=off
       for extra in "${parts[@]:2}"; do
@@ -55,6 +65,8 @@ for step in "$@"; do
   flags=(--kv-dtype "${parts[1]}" --sessions "${parts[2]}" --seconds 60 --engine-process)
   for extra in "${parts[@]:3}"; do
     [ "$extra" = on ] && flags+=(--engine-gather on)
+    [ "$extra" = tf32 ] && flags+=(--fp32-matmul tf32)
+    [ "$extra" = cl ] && flags+=(--mimi-convs fused-cl)
     [[ "$extra" == x[0-9]* ]] && flags+=(--runs "${extra#x}")
   done
   python3 -m duplexserve bench moshi-rtf --preset "$preset" "${flags[@]}" --server-log "$log" --out "$OUT/rtf.tmp"

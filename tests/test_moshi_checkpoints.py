@@ -211,7 +211,9 @@ def test_moshiko_without_config_takes_the_moshi_7b_defaults(tmp_path):
     assert info.moshi_weights == folder / "model.safetensors"
 
 
-def test_a_hugging_face_cache_resolves_offline(tmp_path, tokenizer, monkeypatch):
+def cache_checkpoint(tmp_path: Path, tokenizer: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    """tiny-hibiki as ``kyutai/hibiki-tiny-pytorch-bf16`` in a Hugging Face cache under
+    ``tmp_path`` that huggingface_hub reads: its revision and its snapshot's folder."""
     from huggingface_hub import constants
 
     revision = "0123456789abcdef0123456789abcdef01234567"
@@ -220,7 +222,11 @@ def test_a_hugging_face_cache_resolves_offline(tmp_path, tokenizer, monkeypatch)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    snapshot = repo / "snapshots" / revision
+    return revision, repo / "snapshots" / revision
+
+
+def test_a_hugging_face_cache_resolves_offline(tmp_path, tokenizer, monkeypatch):
+    revision, snapshot = cache_checkpoint(tmp_path, tokenizer, monkeypatch)
     for name in ("kyutai/hibiki-tiny-pytorch-bf16", f"kyutai/hibiki-tiny-pytorch-bf16@{revision}"):
         info = resolve_checkpoint(CheckpointSource(hf_repo=name))
         assert info.model_type == "hibiki" and info.lm_gen_config == get_preset("tiny-hibiki").lm_gen_config
@@ -254,3 +260,36 @@ def test_guidance_doubles_the_kv_in_the_memory_plan_and_needs_conditioning():
     assert kv_bytes_per_slot(24, 2560, 20, 500, "bf16", 2, branches=2) == 2 * one
     with pytest.raises(ValueError, match="no conditioning"):
         MoshiEngine(1, "tiny", cfg_coef=3.0)
+
+
+def test_bench_mimi_compares_builds_on_a_cached_checkpoint_and_a_recording(tmp_path, tokenizer, monkeypatch):
+    """``bench moshi-step mimi --hf-repo --audio``: the check an operator runs before turning on
+    a Mimi option that is not the library's bit for bit (``tf32``, ``fused-cl``), on the released
+    weights from the local cache and on speech, each session from its own point of the file."""
+    import argparse
+
+    import sphn
+
+    from duplexserve.bench import moshi_step
+
+    cache_checkpoint(tmp_path, tokenizer, monkeypatch)
+    rate = 16000
+    speech = (0.2 * np.sin(np.arange(rate) * 0.05) * np.linspace(0, 1, rate)).astype(np.float32)
+    sphn.write_wav(str(tmp_path / "speech.wav"), speech[None], rate)
+
+    audio = moshi_step._mimi_input(4, 3 * 1920, str(tmp_path / "speech.wav"))
+    stored, _ = sphn.read(str(tmp_path / "speech.wav"))
+    at_24k = sphn.resample(stored, src_sample_rate=rate, dst_sample_rate=24000)[0]
+    quarter = len(at_24k) // 4
+    assert audio.shape == (4, 3 * 1920) and quarter > 3 * 1920
+    assert np.array_equal(audio[1], at_24k[quarter : quarter + 3 * 1920])
+
+    parser = argparse.ArgumentParser()
+    moshi_step.add_arguments(parser)
+    args = ["mimi", "--hf-repo", "kyutai/hibiki-tiny-pytorch-bf16", "--audio", str(tmp_path / "speech.wav"),
+            "--frames", "3", "--mimi-builds", "float32/whole/stock,float32/whole/fused"]  # fmt: skip
+    [row] = moshi_step.cmd_mimi(parser.parse_args(args))
+    assert row["preset"] == "kyutai/hibiki-tiny-pytorch-bf16" and row["audio"].endswith("speech.wav")
+    assert row["identical_codes"] == 1.0 and row["identical_audio_samples"] == 1.0  # the CPU runs stock
+    with pytest.raises(FileNotFoundError, match="not in the local"):
+        moshi_step.cmd_mimi(parser.parse_args([*args[:1], "--hf-repo", "someone/absent", *args[3:]]))

@@ -44,6 +44,7 @@ import numpy as np
 from duplexserve.bench.moshi_prompt import host_waits
 
 FRAME = 1920
+SAMPLE_RATE = 24000
 HBM_BYTES_PER_S = 4.4e12  # copy bandwidth measured on the H200 (reference/moshi_step.md)
 
 
@@ -577,6 +578,21 @@ def cmd_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _mimi_input(slots: int, samples: int, path: str) -> np.ndarray:
+    """``slots`` rows of ``samples`` at 24 kHz: noise at levels from -30 to -10 dBFS, or a
+    recording (``--audio``: speech is what a trained Mimi is for), each row from its own
+    offset into it, repeated where it is short."""
+    if not path:
+        rng = np.random.default_rng(0)
+        return (rng.standard_normal((slots, samples)) * rng.uniform(0.02, 0.3, (slots, 1))).astype(np.float32)
+    import sphn
+
+    pcm, rate = sphn.read(path)
+    mono = sphn.resample(pcm, src_sample_rate=rate, dst_sample_rate=SAMPLE_RATE)[0]
+    starts = np.arange(slots) * (len(mono) // slots)
+    return np.stack([np.resize(np.roll(mono, -int(s)), samples) for s in starts]).astype(np.float32)
+
+
 def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Every slot through the engine's streaming Mimi (its CUDA graphs, as the engine calls
     them): the codes of ``audio`` (slots x samples), then the audio decoded from ``codes``
@@ -689,24 +705,22 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
     from duplexserve.engine_bridge.moshi.engine import MoshiEngine
 
     slots = 8
-    rng = np.random.default_rng(0)
-    audio = (rng.standard_normal((slots, args.frames * FRAME)) * rng.uniform(0.02, 0.3, (slots, 1))).astype(
-        np.float32
-    )
+    audio = _mimi_input(slots, args.frames * FRAME, args.audio)
     runs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     saved: tuple[dict, dict] | None = None
     builds = args.mimi_builds.split(",")
     for build in builds:
         precision, graph, *convs = build.split("/")
         engine = MoshiEngine(
-            slots, args.preset, attention="live", mimi_attention=args.mimi_attention, fp32_matmul=precision,
-            mimi_graph=graph, mimi_convs=convs[0] if convs else "fused",
+            slots, args.preset, hf_repo=args.hf_repo, attention="live", mimi_attention=args.mimi_attention,
+            fp32_matmul=precision, mimi_graph=graph, mimi_convs=convs[0] if convs else "fused",
         )  # fmt: skip
         engine.start()
-        if saved is None:
-            saved = _weights(engine)
-        else:
-            _load_weights(engine, saved)
+        if not args.hf_repo:  # a random preset is rebuilt per build: each gets the first's weights
+            if saved is None:
+                saved = _weights(engine)
+            else:
+                _load_weights(engine, saved)
         reference = runs.get(builds[0])
         runs[build] = _mimi_pass(engine, audio, reference[0] if reference else None)
         engine.stop()
@@ -719,8 +733,8 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
         other_codes, other_pcm = runs[build]
         snrs, varying = _snrs(list(other_pcm), list(pcm))
         row = {
-            "preset": args.preset, "frames": args.frames, "sessions": slots,
-            "mimi_attention": args.mimi_attention, "pair": f"{build} vs {builds[0]}",
+            "preset": args.hf_repo or args.preset, "audio": args.audio or "noise", "frames": args.frames,
+            "sessions": slots, "mimi_attention": args.mimi_attention, "pair": f"{build} vs {builds[0]}",
             "identical_codes": float((codes == other_codes).mean()),
             "identical_codes_first_codebook": float((codes[:, 0] == other_codes[:, 0]).mean()),
             "identical_codes_by_codebook": [round(float(v), 4) for v in (codes == other_codes).mean((0, 2))],
@@ -791,6 +805,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--tiles", default="64/4,32/4,16/4,64/4/rows,64/8/rows,32/4/rows,32/2/rows,16/4/rows,16/2/rows",
             help="ring: slots per iteration/warps[/rows: one query at a time],... of Mimi's ring kernel",
         )  # fmt: skip
+        p.add_argument(
+            "--hf-repo", default="",
+            help="mimi: a checkpoint in the local Hugging Face cache (serve's --moshi-hf-repo) instead of"
+            " --preset's random weights",
+        )  # fmt: skip
+        p.add_argument("--audio", default="", help="mimi: a recording to encode (any rate) instead of noise")
         p.add_argument("--out", default="")
 
 
