@@ -44,7 +44,6 @@ import numpy as np
 from duplexserve.bench.moshi_prompt import host_waits
 
 FRAME = 1920
-SAMPLE_RATE = 24000
 HBM_BYTES_PER_S = 4.4e12  # copy bandwidth measured on the H200 (reference/moshi_step.md)
 
 
@@ -585,12 +584,11 @@ def _mimi_input(slots: int, samples: int, path: str) -> np.ndarray:
     if not path:
         rng = np.random.default_rng(0)
         return (rng.standard_normal((slots, samples)) * rng.uniform(0.02, 0.3, (slots, 1))).astype(np.float32)
-    import sphn
+    from duplexserve.engine_bridge.moshi.prompts import read_recording
 
-    pcm, rate = sphn.read(path)
-    mono = sphn.resample(pcm, src_sample_rate=rate, dst_sample_rate=SAMPLE_RATE)[0]
-    starts = np.arange(slots) * (len(mono) // slots)
-    return np.stack([np.resize(np.roll(mono, -int(s)), samples) for s in starts]).astype(np.float32)
+    mono = read_recording(path)
+    starts = np.arange(slots)[:, None] * (len(mono) // slots)
+    return mono[(starts + np.arange(samples)) % len(mono)].astype(np.float32)
 
 
 def _mimi_pass(engine: Any, audio: np.ndarray, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

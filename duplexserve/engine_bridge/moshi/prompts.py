@@ -101,11 +101,16 @@ def load_voice(path: Path, mimi: Any, dim: int, streams: int) -> Voice:
             )
         embeddings = embeddings.reshape(len(embeddings), dim)
         return Voice(path.name, embeddings=embeddings, cache=cache.reshape(streams, -1))
+    pcm = read_recording(str(path)).astype(np.float64)
+    return Voice(path.name, codes=encode_frames(mimi, normalize_loudness(pcm, 24000, VOICE_LUFS)))
+
+
+def read_recording(path: str) -> np.ndarray:
+    """An audio file in any format and rate sphn reads, its first channel at Mimi's 24 kHz."""
     import sphn
 
-    pcm, rate = sphn.read(str(path))
-    pcm = sphn.resample(pcm, src_sample_rate=rate, dst_sample_rate=24000)[0].astype(np.float64)
-    return Voice(path.name, codes=encode_frames(mimi, normalize_loudness(pcm, 24000, VOICE_LUFS)))
+    pcm, rate = sphn.read(path)
+    return sphn.resample(pcm, src_sample_rate=rate, dst_sample_rate=24000)[0]
 
 
 def normalize_loudness(pcm: np.ndarray, rate: int, target_lufs: float) -> np.ndarray:
