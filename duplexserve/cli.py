@@ -61,16 +61,23 @@ def serve(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from duplexserve.check.preflight import CannotServe, preflight
+    from duplexserve.server.run import listen_socket
+    from duplexserve.server.run import serve as run_server
 
+    try:  # before the preflight and the model's load: a busy port is said at once
+        sock = listen_socket(config.host, config.port)
+    except OSError as exc:
+        print(f"duplexserve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc} "
+              "(another server there? --port picks another)", file=sys.stderr)
+        return 1
     try:
         config = preflight(config)
     except CannotServe as exc:
+        sock.close()
         logging.getLogger("duplexserve").debug("preflight", exc_info=True)  # --log-level debug only
         print(f"duplexserve: {exc}", file=sys.stderr)
         return 1
-    from duplexserve.server.run import serve as run_server
-
-    run_server(config)
+    run_server(config, sock)
     return 0
 
 

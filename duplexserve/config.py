@@ -27,13 +27,20 @@ def _opt(
     return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
 
 
+class SettingError(argparse.ArgumentTypeError, ValueError):
+    """A setting's value out of its range; argparse shows its text (not "invalid ... value")."""
+
+
 def int_or_auto(text: str) -> int:
     """``--max-sessions``: a count of at least 1, or ``auto`` (:data:`AUTO_SESSIONS`, never typed)."""
     if text.strip().lower() == "auto":
         return AUTO_SESSIONS
-    count = int(text)
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
     if count < 1:
-        raise ValueError(f"{text!r}: at least 1, or auto")
+        raise SettingError(f"{text!r} is no session count: a whole number from 1 up, or auto")
     return count
 
 
@@ -414,7 +421,10 @@ class ServerConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             env = ENV_PREFIX + f.name.upper()
-            default = _from_env(env, f.default, f.metadata["parse"])
+            try:
+                default = _from_env(env, f.default, f.metadata["parse"])
+            except ValueError as exc:
+                parser.exit(2, f"{parser.prog}: error: {env}={os.environ[env]!r}: {exc}\n")
             note = f"; {notes[f.name]}" if notes and f.name in notes else ""
             help_text = f"{f.metadata['help']}{note} [env {env}; default %(default)s]"
             if isinstance(f.default, bool) or f.type == "bool | None":

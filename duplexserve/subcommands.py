@@ -13,7 +13,9 @@ from typing import Any
 
 
 class LazyParser(argparse.ArgumentParser):
-    """A subcommand's parser; ``define`` adds its options the first time it parses or shows help."""
+    """A subcommand's parser; ``define`` adds its options the first time it parses or shows help.
+    An argument it does not know is refused with its own usage (the top-level parser's says
+    nothing of the subcommand's options)."""
 
     def __init__(self, *args: Any, define: Callable[[argparse.ArgumentParser], None] | None = None,
                  **kwargs: Any) -> None:
@@ -29,7 +31,10 @@ class LazyParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         self._defined()
-        return super().parse_known_args(args, namespace)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
     def format_help(self) -> str:
         self._defined()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from types import FrameType
 
 import uvicorn
@@ -108,6 +109,11 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
         self._drain: asyncio.Task[None] | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn says where it listens only on sockets it bound
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or self.should_exit:
             super().handle_exit(sig, frame)  # second signal: go now
@@ -189,7 +195,21 @@ def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> u
 QUIET_BELOW_DEBUG = ("aioice", "aiortc")
 
 
-def serve(config: ServerConfig) -> None:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, so a busy port is
+    said at once rather than after the load; an OSError where it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own, for a restart
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(config: ServerConfig, sock: socket.socket) -> None:
+    """Serve ``config`` on ``sock``, bound by :func:`listen_socket`."""
     log_redaction.install()  # the root's handler; uvicorn's come with its config
     if config.log_level != "debug":
         for name in QUIET_BELOW_DEBUG:
@@ -200,4 +220,4 @@ def serve(config: ServerConfig) -> None:
     log_redaction.install()
     if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --api-keys: anyone who reaches %s:%d can open sessions", config.host, config.port)
-    DrainingServer(server_config, app, config.drain_grace_s).run()
+    DrainingServer(server_config, app, config.drain_grace_s).run(sockets=[sock])
