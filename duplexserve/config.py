@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -333,6 +334,11 @@ class ServerConfig:
     engine_stall_s: float = _opt(
         10.0, "an engine step running longer than this is a stall: its sessions fail, the engine is rebuilt"
     )
+    replica_id: str = _opt(
+        "", "behind a proxy of several replicas: this replica's name, put before every resume token "
+        "(NAME.random) so that the proxy routes a resume to the replica holding the session "
+        "(docker/nginx/duplexserve.conf); letters, digits and '-'",
+    )
     refuse_with_http_503: bool = _opt(
         False,
         "when full or draining, answer the WebSocket upgrade with HTTP 503 instead of accepting and "
@@ -414,6 +420,13 @@ class ServerConfig:
             return os.path.basename(named) if named else self.moshi_preset
         return self.vllm_omni_model or self.engine
 
+    @property
+    def model_owner(self) -> str:
+        """Who publishes the served model, for ``GET /v1/models``: the checkpoint's organisation."""
+        repo = self.moshi_hf_repo if self.engine == "moshi" else self.vllm_omni_model
+        owner, slash, _ = repo.partition("@")[0].partition("/")
+        return owner if slash and owner else "duplexserve"
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, notes: Mapping[str, str] | None = None) -> None:
         """Add one flag per field; defaults come from the environment when set there. ``notes``
@@ -490,6 +503,8 @@ class ServerConfig:
                              "--engine-process does not apply")
         if self.engine_tick_ms < 0:
             raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
+        if not re.fullmatch(r"[A-Za-z0-9-]*", self.replica_id):
+            raise ValueError(f"--replica-id {self.replica_id!r}: letters, digits and '-' only")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.drain_max_s <= 0:

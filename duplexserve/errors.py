@@ -24,3 +24,8 @@ class SessionError(Exception):
     @property
     def fatal(self) -> bool:
         return self.close_code is not None
+
+
+#: A connection that names a model (``?model=``) this server does not serve: refused with
+#: POLICY, never served by another model (docs/protocol.md, "Opening").
+MODEL_NOT_FOUND = "model_not_found"

@@ -53,7 +53,7 @@ def serve_personaplex(folder: Path, checkpoint: Path, *more: str) -> ServerProce
         str(folder), "--engine", "moshi", "--moshi-preset", PRESET, "--moshi-weights", str(checkpoint),
         "--voice-prompt-dir", str(checkpoint / "voices"), "--moshi-context", str(CONTEXT),
         "--moshi-greedy", "--moshi-dtype", "float64", "--moshi-threads", "1", "--max-sessions", "4",
-        "--api-keys", KEY, "--realtime-speech-dbfs", "-300", *more,
+        "--api-keys", KEY, "--realtime-speech-dbfs", "-300", "--model", "personaplex", *more,
     )  # fmt: skip
 
 

@@ -156,7 +156,8 @@ def kinds(events: list[dict[str, Any]]) -> list[str]:
 def rt_server(tmp_path_factory):
     from tests.conftest import start_server
 
-    server = start_server(str(tmp_path_factory.mktemp("rt")), "--max-sessions", "16", "--api-keys", KEY)
+    server = start_server(str(tmp_path_factory.mktemp("rt")), "--max-sessions", "16", "--api-keys", KEY,
+                          "--model", "moshi-test")
     yield server
     server.stop()
 
@@ -279,12 +280,12 @@ def append(pcm: bytes) -> str:
 
 def test_browser_subprotocol_key_is_accepted_and_realtime_selected(rt_server):
     async def go():
-        url = rt_server.ws("/v1/realtime", "model=x")
+        url = rt_server.ws("/v1/realtime", "model=moshi-test")
         key = f"openai-insecure-api-key.{KEY}"
         async with websockets.asyncio.client.connect(url, subprotocols=["realtime", key]) as ws:
             assert ws.subprotocol == "realtime"
             (created,) = await raw_events(ws, 1)
-            assert created["type"] == "session.created" and created["session"]["model"] == "x"
+            assert created["type"] == "session.created" and created["session"]["model"] == "moshi-test"
         wrong = "openai-insecure-api-key.wrong"
         async with websockets.asyncio.client.connect(url, subprotocols=["realtime", wrong]) as ws:
             assert ws.subprotocol == "realtime"

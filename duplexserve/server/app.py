@@ -9,7 +9,8 @@ like the API itself; ``/``, ``/static``, ``/health`` and ``/ready`` stay open.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ class DuplexApp:
             resume_grace_s=config.resume_grace_s,
             max_detached=config.max_detached,
             late_frame_ms=config.late_frame_ms,
+            replica_id=config.replica_id,
             engine_factory=None if engine else lambda: build_engine(config),
         )
         self.metrics = Metrics(self.orchestrator)
@@ -166,6 +168,7 @@ class DuplexApp:
         async def index() -> FileResponse:
             return FileResponse(STATIC_DIR / "index.html")
 
+        app.get("/v1/models")(models_route(self.config))
         app.get("/v1/voices")(personas.voices_route(self.config, orch))  # voice prompts (PersonaPlex)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
         self.webrtc.add_routes(app)  # POST /v1/realtime/calls, .../hangup, /v1/realtime/client_secrets
@@ -189,6 +192,18 @@ class DuplexApp:
                 await http_error(401, "invalid_api_key", "a valid API key is required")(scope, receive, send)
                 return
         await self.http(scope, receive, send)
+
+
+def models_route(config: ServerConfig) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """``GET /v1/models`` as OpenAI's SDKs read it: the one model this server serves, the name
+    that ``?model=`` must give (others are refused with ``model_not_found``)."""
+    listed = {"id": config.model_name, "object": "model", "created": int(time.time()),
+              "owned_by": config.model_owner}
+
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [listed]}
+
+    return models
 
 
 def _schema_url(request: Request) -> str:

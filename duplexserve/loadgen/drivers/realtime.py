@@ -53,9 +53,6 @@ class RealtimeDriver(HangUpWhenAnswered):
         self._session_id = ""
         self._bytes_sent = 0
 
-    def query(self) -> str:
-        return "model=duplexserve"
-
     async def ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._future("created"), timeout)
         assert self.ws is not None

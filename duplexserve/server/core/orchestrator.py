@@ -62,6 +62,7 @@ class Orchestrator(Admission):
         resume_grace_s: float = 0.0,
         max_detached: int = -1,
         late_frame_ms: float = 200.0,
+        replica_id: str = "",
     ) -> None:
         self.engine = engine
         self.limits = limits
@@ -93,7 +94,7 @@ class Orchestrator(Admission):
         self._generations = itertools.count(1)
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.resume = ResumeRegistry(resume_grace_s, self._expire)
+        self.resume = ResumeRegistry(resume_grace_s, self._expire, replica_id)
         #: Detached sessions kept at most; past it the one detached longest ends.
         self.max_detached = max_detached if max_detached >= 0 else max(1, engine.num_slots // 4)
         self.turnaround = TurnaroundTotals(late_frame_ms / 1000.0)

@@ -7,6 +7,11 @@ connection that presents the session's current token within ``grace_s`` takes it
 over. Tokens are single-use: every take-over issues a new one, so a token that leaked
 from an old connection cannot steal the session later.
 
+Behind a proxy of several replicas each replica has a name (``--replica-id``), and its
+tokens are ``NAME.random``: the proxy routes a resume on the name to the one replica that
+holds the session (docker/nginx/duplexserve.conf), with nothing for the client to keep but
+the token. The random part alone is the secret; the name is not.
+
 Detached sessions are kept in the order they detached, so that under pressure (a new
 session finds every slot taken, or more than ``--max-detached`` wait) the one detached
 longest is the one that gives way (docs/protocol.md, "Under pressure").
@@ -52,8 +57,9 @@ class ResumeCounts:
 class ResumeRegistry:
     """Current tokens of open sessions; expiry of the detached ones."""
 
-    def __init__(self, grace_s: float, on_expire: Callable[[Session], None]) -> None:
+    def __init__(self, grace_s: float, on_expire: Callable[[Session], None], replica_id: str = "") -> None:
         self.grace_s = grace_s
+        self._prefix = f"{replica_id}." if replica_id else ""
         self.counts = ResumeCounts()
         self._on_expire = on_expire
         self._by_token: dict[str, Resumable] = {}
@@ -82,10 +88,13 @@ class ResumeRegistry:
 
     def issue(self, session: Session, owner: Any, state: Any = None) -> Resumable:
         """Make ``session`` resumable; its first token."""
-        entry = Resumable(session, secrets.token_urlsafe(TOKEN_BYTES), owner, state)
+        entry = Resumable(session, self._new_token(), owner, state)
         self._by_token[entry.token] = entry
         self._by_session[id(session)] = entry
         return entry
+
+    def _new_token(self) -> str:
+        return self._prefix + secrets.token_urlsafe(TOKEN_BYTES)
 
     def entry_of(self, session: Session) -> Resumable | None:
         return self._by_session.get(id(session))
@@ -131,7 +140,7 @@ class ResumeRegistry:
     def attach(self, entry: Resumable, owner: Any) -> str:
         """``owner`` now holds the session; its new token."""
         entry.owner = owner
-        entry.token = secrets.token_urlsafe(TOKEN_BYTES)
+        entry.token = self._new_token()
         self._by_token[entry.token] = entry
         self.counts.resumed += 1
         return entry.token

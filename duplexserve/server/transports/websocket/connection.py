@@ -91,6 +91,12 @@ class WebSocketTransport(FastPath):
         ):
             await adapter.refuse(errors.POLICY, "unauthorized", "a valid API key is required")
             return
+        model = adapter.query.get("model")
+        if model and model != self.config.model_name:
+            served = self.config.model_name
+            await adapter.refuse(errors.POLICY, errors.MODEL_NOT_FOUND,
+                                 f"model {model!r}: this server serves {served!r} (GET /v1/models)")
+            return
         if not await adapter.open():
             return
         session = adapter.session
