@@ -21,6 +21,7 @@ import copy
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,10 @@ import yaml
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 #: The upstream block's server lines in docker/nginx/duplexserve.conf (one per replica).
 SERVER_LINE = re.compile(r"^([ \t]*)server duplexserve(-\d+)?:8998 (.*)$", re.MULTILINE)
+#: Each replica's own upstream, and the line of the resume map that routes its tokens there.
+REPLICA_UPSTREAM = re.compile(r"^([ \t]*)upstream replica-duplexserve(-\d+)? \{ server duplexserve(-\d+)?:8998; \}$",
+                              re.MULTILINE)
+RESUME_ROUTE = re.compile(r"^([ \t]*)~\^duplexserve(-\d+)?\\\. replica-duplexserve(-\d+)?;$", re.MULTILINE)
 
 
 def replica_name(index: int) -> str:
@@ -53,6 +58,7 @@ def replica(index: int, gpu: str, cpu: bool) -> dict[str, Any]:
         service = merged(service, cpu_services["duplexserve-1"])
         service["ports"] = [f"${{DUPLEXSERVE_PUBLISH_PORT_{index}:-{8998 + index}}}:8998"]
     service["environment"]["NVIDIA_VISIBLE_DEVICES"] = gpu
+    service["environment"]["DUPLEXSERVE_REPLICA_ID"] = replica_name(index)
     return service
 
 
@@ -70,18 +76,30 @@ def compose_override(gpus: list[str], cpu: bool, site: Path) -> dict[str, Any]:
     return {"services": services}
 
 
+def expand(site: str, line: re.Pattern[str], render: Callable[[str, str], str], count: int) -> str:
+    """``site`` with the lines ``line`` matches (one per replica) replaced by ``count`` lines,
+    ``render(indent, name)`` each, where the first of them was."""
+    first = line.search(site)
+    if first is None:
+        raise SystemExit(f"docker/nginx/duplexserve.conf: no line like {line.pattern!r}")
+    lines = "\n".join(render(first.group(1), replica_name(i)) for i in range(count))
+    rest = re.sub(r"\n" + line.pattern[1:], "", site[first.end():], flags=re.MULTILINE)
+    return site[:first.start()] + lines + rest
+
+
 def nginx_site(count: int) -> str:
-    """docker/nginx/duplexserve.conf with one upstream server line per replica."""
+    """docker/nginx/duplexserve.conf with, per replica, a server line in the pool, an upstream
+    of its own and a line routing its resume tokens there."""
     site = (DOCKER / "nginx" / "duplexserve.conf").read_text()
-    lines = SERVER_LINE.findall(site)
-    if not lines:
+    found = SERVER_LINE.search(site)
+    if found is None:
         raise SystemExit("docker/nginx/duplexserve.conf: no 'server duplexserve:8998 ...' line")
-    indent, _, options = lines[0]
-    servers = "\n".join(f"{indent}server {replica_name(i)}:8998 {options}" for i in range(count))
-    first = SERVER_LINE.search(site)
-    assert first is not None
-    rest = re.sub(r"\n" + SERVER_LINE.pattern[1:], "", site[first.end():], flags=re.MULTILINE)
-    return site[:first.start()] + servers + rest
+    options = found.group(3)
+    site = expand(site, SERVER_LINE, lambda indent, name: f"{indent}server {name}:8998 {options}", count)
+    site = expand(site, REPLICA_UPSTREAM,
+                  lambda indent, name: f"{indent}upstream replica-{name} {{ server {name}:8998; }}", count)
+    return expand(site, RESUME_ROUTE,
+                  lambda indent, name: f"{indent}~^{name}\\. replica-{name};", count)
 
 
 def main() -> int:

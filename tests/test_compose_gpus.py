@@ -37,7 +37,9 @@ def generate(out: Path, gpus: str, *flags: str) -> subprocess.CompletedProcess[s
 
 
 def other_lines(site: str) -> list[str]:
-    return [x for x in site.splitlines() if not x.strip().startswith(("server duplexserve", "# Written"))]
+    """The lines that are not one per replica."""
+    per_replica = ("server duplexserve", "upstream replica-", "~^duplexserve", "# Written")
+    return [x for x in site.splitlines() if not x.strip().startswith(per_replica)]
 
 
 def server_lines(site: str) -> list[str]:
@@ -57,6 +59,11 @@ def test_one_replica_and_one_upstream_per_gpu(tmp_path, gpus) -> None:
     assert list(services["lb"]["depends_on"]) == names
     site = (tmp_path / "duplexserve.conf").read_text()
     assert server_lines(site) == [f"server {n}:8998 max_fails=1 fail_timeout=2s;" for n in names]
+    assert [x for x in site.splitlines() if x.startswith("upstream replica-")] == [
+        f"upstream replica-{n} {{ server {n}:8998; }}" for n in names]
+    assert [x.strip() for x in site.splitlines() if x.strip().startswith("~^")] == [
+        f"~^{n}\\. replica-{n};" for n in names]
+    assert [services[n]["environment"]["DUPLEXSERVE_REPLICA_ID"] for n in names[2:]] == names[2:]
     # Everything but the server lines is the shipped site.
     shipped = SHIPPED_SITE.read_text()
     assert other_lines(site) == other_lines(shipped)
@@ -103,11 +110,7 @@ def test_four_replicas_behind_the_generated_site(server_factory, tmp_path, monke
     """Four servers, three slots each, behind nginx with the site generated for four GPUs."""
     servers = [server_factory("--max-sessions", "3", "--drain-grace-s", "60", *REPLICA) for _ in range(4)]
     assert generate(tmp_path / "gpus", "0,1,2,3").returncode == 0
-    site = (tmp_path / "gpus" / "duplexserve.conf").read_text()
-    for i in (2, 3):  # tests/test_nginx.py puts the first two on their ports
-        site = site.replace(f"server duplexserve-{i}:8998 ", f"server 127.0.0.1:{servers[i].port} ")
-    (tmp_path / "site.conf").write_text(site)
-    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", tmp_path / "site.conf")
+    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", tmp_path / "gpus" / "duplexserve.conf")
 
     def counts() -> list[int]:
         return [sessions(s) for s in servers]
@@ -154,7 +157,7 @@ def test_four_replicas_behind_the_generated_site(server_factory, tmp_path, monke
         for s in [direct, *(s for s, r in live + new if r != 3)]:
             assert (await s.finish())["reason"] == "completed"
 
-    with nginx_in_front(tmp_path, servers[0], servers[1]) as url:
+    with nginx_in_front(tmp_path, *servers) as url:
         asyncio.run(main(url))
 
 

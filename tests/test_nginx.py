@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,11 +41,15 @@ pytestmark = pytest.mark.skipif(
 
 
 def nginx_conf(tmp: Path, listen: int, upstreams: list[int]) -> Path:
-    """The shipped site config on loopback ports, inside a minimal main config of our own."""
+    """The shipped site config (or the one SHIPPED_CONF names) on loopback ports, inside a
+    minimal main config of our own: replica i (``duplexserve``, ``duplexserve-i``) on
+    ``upstreams[i]``, in the pool and in its own upstream (the one a resume goes to)."""
     site = SHIPPED_CONF.read_text()
-    for name, port in (("duplexserve:8998", upstreams[0]), ("duplexserve-1:8998", upstreams[1])):
-        assert site.count(f"server {name} ") == 1, f"{SHIPPED_CONF} has no single 'server {name}' line"
-        site = site.replace(f"server {name} ", f"server 127.0.0.1:{port} ")
+    for index, port in enumerate(upstreams):
+        name = "duplexserve" if index == 0 else f"duplexserve-{index}"
+        line = re.compile(rf"server {name}:8998(?=[ ;])")
+        assert len(line.findall(site)) == 2, f"{SHIPPED_CONF}: not one pool line and one upstream for {name}"
+        site = line.sub(f"server 127.0.0.1:{port}", site)
     assert site.count("listen 8080;") == 1
     site = site.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
     (tmp / "duplexserve.conf").write_text(site)
@@ -73,12 +78,12 @@ http {{
 
 
 @contextlib.contextmanager
-def nginx_in_front(tmp: Path, a: ServerProcess, b: ServerProcess) -> Iterator[str]:
-    """Start nginx before ``a`` and ``b``; yields its ws:// base address."""
+def nginx_in_front(tmp: Path, *replicas: ServerProcess) -> Iterator[str]:
+    """Start nginx before the replicas, in order; yields its ws:// base address."""
     tmp = tmp / "nginx"
     tmp.mkdir()
     port = free_port()
-    conf = nginx_conf(tmp, port, [a.port, b.port])
+    conf = nginx_conf(tmp, port, [r.port for r in replicas])
     with open(tmp / "stderr.log", "wb") as log:
         proc = subprocess.Popen([NGINX, "-p", str(tmp), "-c", str(conf), "-e", str(tmp / "error.log")],
                                 stdout=log, stderr=subprocess.STDOUT)
