@@ -12,9 +12,11 @@ tokens are ``NAME.random``: the proxy routes a resume on the name to the one rep
 holds the session (docker/nginx/duplexserve.conf), with nothing for the client to keep but
 the token. The random part alone is the secret; the name is not.
 
-Detached sessions are kept in the order they detached, so that under pressure (a new
-session finds every slot taken, or more than ``--max-detached`` wait) the one detached
-longest is the one that gives way (docs/protocol.md, "Under pressure").
+Detached sessions are kept in the order they detached, and by client (the per-client
+quotas' key, core/client_address.py), so that under pressure the one that gives way is
+the one detached longest of the client that must give: its own past
+``--max-detached-per-client``, else the client holding the most detached sessions
+(docs/protocol.md, "Under pressure"). One client's drops thus evict only its own.
 
 The registry knows sessions and an opaque ``owner`` (the connection holding the
 session, or None while detached) and ``state`` (what the adapter must carry over, such
@@ -43,6 +45,7 @@ class Resumable:
     token: str
     owner: Any  # the connection holding it; None while detached
     state: Any = None  # adapter state kept across connections (formats, codecs)
+    client: str | None = None  # the per-client quotas' key while detached; None: not counted per client
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -65,6 +68,7 @@ class ResumeRegistry:
         self._by_token: dict[str, Resumable] = {}
         self._by_session: dict[int, Resumable] = {}  # id(session): entry
         self._detached: dict[Resumable, None] = {}  # in the order they detached
+        self._detached_by: dict[str | None, dict[Resumable, None]] = {}  # the same, by client
 
     @property
     def enabled(self) -> bool:
@@ -77,14 +81,24 @@ class ResumeRegistry:
     def detached_sessions(self) -> list[Session]:
         return [entry.session for entry in self._detached]
 
-    def evict_oldest(self) -> Session | None:
-        """The session detached longest, counted as evicted; the caller closes it (which
-        calls :meth:`forget`, so its token is refused from then on). None if none waits."""
-        entry = next(iter(self._detached), None)
+    def detached_by(self, client: str | None) -> int:
+        return len(self._detached_by.get(client, ()))
+
+    def evict_oldest_of(self, client: str | None) -> Session | None:
+        """The session of ``client`` detached longest, counted as evicted; the caller closes it
+        (which calls :meth:`forget`, so its token is refused from then on). None if none waits."""
+        entry = next(iter(self._detached_by.get(client, ())), None)
         if entry is None:
             return None
         self.counts.evicted += 1
         return entry.session
+
+    def evict_oldest(self) -> Session | None:
+        """As :meth:`evict_oldest_of` the client holding the most detached sessions (of several,
+        the one whose oldest waited longest): a client with fewer never pays for its drops."""
+        most = max(map(len, self._detached_by.values()), default=0)
+        entry = next((e for e in self._detached if len(self._detached_by[e.client]) == most), None)
+        return None if entry is None else self.evict_oldest_of(entry.client)
 
     def issue(self, session: Session, owner: Any, state: Any = None) -> Resumable:
         """Make ``session`` resumable; its first token."""
@@ -99,11 +113,13 @@ class ResumeRegistry:
     def entry_of(self, session: Session) -> Resumable | None:
         return self._by_session.get(id(session))
 
-    def detach(self, entry: Resumable, loop: asyncio.AbstractEventLoop) -> None:
-        """The connection is gone; keep the session for ``grace_s``."""
+    def detach(self, entry: Resumable, loop: asyncio.AbstractEventLoop, client: str | None = None) -> None:
+        """The connection is gone; keep the session for ``grace_s``, counted as ``client``'s."""
         entry.owner = None
         entry.session.detached = True
+        entry.client = client
         self._detached[entry] = None
+        self._detached_by.setdefault(client, {})[entry] = None
         if entry.expiry is not None:
             entry.expiry.cancel()
         entry.expiry = loop.call_later(self.grace_s, self._expire, entry)
@@ -133,9 +149,17 @@ class ResumeRegistry:
         if entry.expiry is not None:
             entry.expiry.cancel()
             entry.expiry = None
-        self._detached.pop(entry, None)
+        self._undetach(entry)
         entry.session.detached = False
         return entry
+
+    def _undetach(self, entry: Resumable) -> None:
+        if entry in self._detached:
+            del self._detached[entry]
+            group = self._detached_by[entry.client]
+            del group[entry]
+            if not group:
+                del self._detached_by[entry.client]
 
     def attach(self, entry: Resumable, owner: Any) -> str:
         """``owner`` now holds the session; its new token."""
@@ -154,7 +178,7 @@ class ResumeRegistry:
         if entry is None:
             return
         self._by_token.pop(entry.token, None)
-        self._detached.pop(entry, None)
+        self._undetach(entry)
         if entry.expiry is not None:
             entry.expiry.cancel()
             entry.expiry = None
