@@ -41,9 +41,10 @@ class LazyParser(argparse.ArgumentParser):
         return super().format_help()
 
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """argparse's ArgumentDefaultsHelpFormatter, without the defaults that say nothing: None
-    (the help says what unset means), a switch's False and an empty text."""
+    (the help says what unset means), a switch's False and an empty text; the description
+    and epilog as written (a legend keeps its lines)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

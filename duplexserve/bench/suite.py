@@ -117,7 +117,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=none,
         help="scheduling priority of client and servers (e.g. -10 on a busy shared machine; root)",
     )
-    p.add_argument("--no-progress", action="store_true", default=none)
+    p.add_argument("--no-progress", action="store_true", default=none,
+                   help="no live view of each run (elapsed, ETA, sessions, frames/s), only the results; "
+                        "a terminal shows it, piped output never")
 
 
 def _name(value: str) -> str:

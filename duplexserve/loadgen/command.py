@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from duplexserve.loadgen.drivers import available
 from duplexserve.loadgen.expect import server_expect
+from duplexserve.loadgen.summary_columns import legend
 
-#: The console's width when the output is not a terminal: wide enough for any table whole.
-PIPED_WIDTH = 1000
+#: The console's width when the output is not a terminal and $COLUMNS does not say: a wider
+#: summary turns to one row per figure, a column per run, every value whole.
+PIPED_WIDTH = 120
+#: The width of the columns' legend in ``--help``.
+HELP_WIDTH = 79
 
 
 def _count(value: str) -> str:
@@ -31,6 +36,7 @@ def resolve(count: str, concurrency: int) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = f"The summary's columns (printed under it too):\n{legend(HELP_WIDTH)}"
     p.add_argument("url", help="server address, e.g. ws://127.0.0.1:8998 (the protocol's path is added)")
     p.add_argument("--protocol", default="native", choices=available(), help="client driver")
     p.add_argument("-c", "--concurrency", default="8",
@@ -42,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=float, help="audio per session in seconds")
     length.add_argument("--frames", type=int, help="audio per session in 80 ms frames (default 125)")
-    p.add_argument("--message-ms", type=int, default=80, help="audio per message (80 or 160)")
+    p.add_argument("--message-ms", type=int, default=80,
+                   help="audio per message in ms, any whole number: 20 and 40 as browsers and phones send, "
+                        "80 one model frame, 160 two")
     p.add_argument("--mode", choices=("paced", "burst"), default="paced",
                    help="paced: real time on an absolute schedule; burst: as fast as the socket takes it")
     p.add_argument("--input-format", default="pcm_f32le",
@@ -53,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wav", help="audio to send (looped or cut to length); default a generated signal")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated signal and of the send times")
     p.add_argument("--processes", type=int, default=1, help="client processes")
-    p.add_argument("--ramp-s", type=float, help="spread session starts over this long (default: auto)")
+    p.add_argument("--ramp-s", type=float, help="spread session starts over this long (default: auto: "
+                   "paced, concurrency / 150 s and at least 0.1 s, about 150 handshakes a second, so that "
+                   "the connection storm does not dominate the latency measured; burst, 0, all at once)")
     p.add_argument("--expect", choices=("auto", "echo", "silence", "none"), default="auto",
                    help="what the server's engine answers, checked byte for byte unless none; auto: "
                         "echo against the synthetic engine or an echo floor, none against a real model "
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from duplexserve.loadgen.runner import LoadSpec, run_load
 
     # Piped into a file, every value whole: no terminal to fit, the table as wide as it needs.
-    console = Console(width=None if Console().is_terminal else PIPED_WIDTH)
+    console = Console(width=None if Console().is_terminal or "COLUMNS" in os.environ else PIPED_WIDTH)
     try:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:

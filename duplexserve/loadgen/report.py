@@ -15,10 +15,13 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from duplexserve.loadgen.results import RunResult
+from duplexserve.loadgen.summary_columns import COLUMNS, legend
 
 
 class LiveView:
-    """Sessions connected, frames per second and the current p99 round trip, twice a second."""
+    """Twice a second: the phase, its elapsed time and ETA, sessions connected and ended, the
+    share of the phase's answer frames received (what moves while every session is still
+    live), frames per second and the current p99 round trip."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
         self.console = console
@@ -53,17 +56,30 @@ class LiveView:
         self._last_frames, self._last_t = frames, now
         recent = snap.get("recent") or []
         p99 = 1e3 * float(np.percentile(recent, 99)) if recent else math.nan
+        elapsed = snap.get("elapsed_s", 0.0)
+        share = min(1.0, frames / snap["planned"]) if snap.get("planned") else 0.0
+        eta = elapsed * (1 - share) / share if share else math.nan
         table = Table(title="duplexserve loadgen", show_header=True)
-        for column in ("phase", "connected", "done", "frames/s", "p99 round trip"):
+        for column in ("phase", "elapsed", "ETA", "connected", "ended", "done", "frames/s", "p99 round trip"):
             table.add_column(column, justify="right")
         table.add_row(
             str(snap.get("phase", "starting")),
+            _clock(elapsed),
+            "-" if math.isnan(eta) else _clock(eta),
             str(snap.get("active", 0)),
             f"{snap.get('done', 0)}/{snap.get('total', 0)}",
+            f"{100 * share:.0f}%",
             f"{rate:,.0f}",
             "-" if math.isnan(p99) else f"{p99:.1f} ms",
         )
         return table
+
+
+def _clock(seconds: float) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour)."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -77,10 +93,6 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 UNBOUNDED = 1 << 20  # a width no table reaches: its natural width is measured against it
-COLUMNS = (
-    "run", "guards", "sessions", "frames", "RTF min/med/max", "ready p50/p99/max ms", "rt p50/p99/max ms",
-    "late p99 ms", "underruns", "srv us/frame", "vcsw/frame", "exec/frame", "wall us/frame",
-)
 
 
 def summary_row(r: RunResult) -> list[str]:
@@ -139,6 +151,7 @@ def client_line(r: RunResult) -> str:
 
 def print_report(console: Console, results: list[RunResult]) -> None:
     console.print(summary_table(results, console.width))
+    console.print(legend(console.width), style="dim", markup=False, highlight=False, soft_wrap=True)
     for r in results:
         console.print(client_line(r))
         s = r.summary()

@@ -106,6 +106,13 @@ class LoadSpec:
         seconds = (slot + 1) * life_s / slots if first else life_s
         return max(1, round(seconds * 1000 / FRAME_MS))
 
+    def planned_frames(self, sessions: int, concurrency: int) -> int:
+        """The answer frames a phase of ``sessions`` run ``concurrency`` at a time expects, in
+        all: what the live view's done share and ETA count against."""
+        slots = min(concurrency, sessions)
+        firsts = sum(self.frames_of(k, slots, True) for k in range(slots))
+        return firsts + (sessions - slots) * self.frames_of(0, slots, False)
+
     def ramp(self) -> float:
         if self.ramp_s is not None:
             return self.ramp_s
@@ -158,6 +165,7 @@ class Worker:
         self._done = 0
         self._done_frames = 0
         self._failed = 0
+        self._started = monotonic()  # the phase's
         self._rng = random.Random(spec.seed)
 
     async def run_phase(self, phase: str, indices: list[int], concurrency: int) -> PhaseResult:
@@ -191,7 +199,9 @@ class Worker:
                 first = False
 
         usage0, wall0 = _cpu(), monotonic()
-        ticker = asyncio.create_task(self._report(phase, len(indices)))
+        planned = spec.planned_frames(len(indices), slots)
+        self._started = monotonic()
+        ticker = asyncio.create_task(self._report(phase, len(indices), planned))
         try:
             await asyncio.gather(*(slot(k) for k in range(slots)))
         finally:
@@ -257,23 +267,25 @@ class Worker:
             self._done += 1
             self._done_frames += len(rec.received)
 
-    def snapshot(self, phase: str, total: int) -> dict[str, Any]:
+    def snapshot(self, phase: str, total: int, planned: int) -> dict[str, Any]:
         recent, self.recent[:] = list(self.recent), []
         return {
             "phase": phase,
             "total": total,
+            "planned": planned,
+            "elapsed_s": monotonic() - self._started,
             "active": sum(1 for r in self._live if r.session_id),
             "done": self._done,
             "frames": self._done_frames + sum(len(r.received) for r in self._live),
             "recent": recent[-2000:] if len(recent) <= 2000 else random.sample(recent, 2000),
         }
 
-    async def _report(self, phase: str, total: int) -> None:
+    async def _report(self, phase: str, total: int, planned: int) -> None:
         if self.progress is None:
             return
         while True:
             await asyncio.sleep(0.5)
-            self.progress(self.snapshot(phase, total))
+            self.progress(self.snapshot(phase, total, planned))
 
 
 def _paced_sender(
@@ -493,6 +505,8 @@ class _Merger:
         self.progress({
             "phase": snaps[0]["phase"],
             "total": sum(s["total"] for s in snaps),
+            "planned": sum(s["planned"] for s in snaps),
+            "elapsed_s": max(s["elapsed_s"] for s in snaps),
             "active": sum(s["active"] for s in snaps),
             "done": sum(s["done"] for s in snaps),
             "frames": sum(s["frames"] for s in snaps),
