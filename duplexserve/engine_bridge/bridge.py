@@ -86,6 +86,7 @@ _PROMPT_BUDGET_S = 0.02
 #: Why an engine was restarted: a step raised, its process died, or a step never returned.
 RESTART_CAUSES = ("step_failed", "engine_died", "stalled")
 _STOP = object()
+_RENDER_FAILED = "this session's output could not be rendered; the other sessions go on"
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class StepOutput:
     audio: np.ndarray | None
     text: dict[int, str]
     error: str | None = None
+    message: str = ""  # the error's text for the client (empty: the engine's failure)
     finished: list[int] | None = None  # rows whose answer ended (StepResult.finished)
     duration_s: float = 0.0
     published: float = 0.0  # perf_counter when the engine thread handed it to the loop
@@ -105,6 +107,7 @@ class StepOutput:
     tick_lag_s: float | None = None
     catch_up: bool = False
     arrived_past_due_s: float = 0.0  # the latest of its frames' arrival past its due time
+    gil_wait_s: float = 0.0  # the engine's answer waited this long for the GIL (Engine.gil_wait_s)
 
 
 @dataclass(slots=True)
@@ -122,7 +125,10 @@ class BridgeCounts:
     gather_waits: int = 0  # steps that waited for frames due within them (batcher.Gather)
     gather_wait_s: float = 0.0  # how long they waited, together
     engine_errors: int = 0
+    output_failures: int = 0  # sessions ended because their output could not be rendered
     engine_restarts: int = 0
+    gil_wait_s: float = 0.0  # the steps' answers' waits for the GIL, together (Engine.gil_wait_s)
+    gil_wait_max_s: float = 0.0  # the largest since the overload manager last took it
     #: Sessions ended by restarts, per cause (:data:`RESTART_CAUSES`): every session the
     #: failed engine held lost its model state.
     sessions_ended_by_restart: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -216,6 +222,12 @@ class EngineBridge:
         self.running = False
         if self._queue is not None:
             self._queue.close()  # unblocks the overflow drainer, if one waits for room
+
+    def take_gil_wait(self) -> float:
+        """The largest wait of a step's answer for the GIL since the last call (server/overload.py)."""
+        counts = self.counts
+        wait, counts.gil_wait_max_s = counts.gil_wait_max_s, 0.0
+        return wait
 
     def qsize(self) -> int:
         return self._queue.sync_q.qsize() if self._queue is not None else 0
@@ -477,11 +489,11 @@ class EngineBridge:
         with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
             self._loop.call_soon_threadsafe(payload.done, outcome)
 
-    def _fail_slot(self, slot: int, generation: int, error: str) -> None:
+    def _fail_slot(self, slot: int, generation: int, error: str, message: str = "") -> None:
         self._batcher.close(slot)
         self._open.pop(slot, None)
         self.counts.engine_errors += 1
-        self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error))
+        self._publish(StepOutput(np.array([slot]), np.array([generation]), None, {}, error, message))
 
     def _step(self, cutoff: float = math.inf, lag_s: float | None = None, catch_up: bool = False) -> None:
         slots, generations, frames = self._batcher.gather(cutoff, self.engine.input_buffer)
@@ -503,6 +515,10 @@ class EngineBridge:
         out.duration_s = time.perf_counter() - started
         out.tick_lag_s, out.catch_up = lag_s, catch_up
         out.arrived_past_due_s = self._batcher.arrived_past_due
+        out.gil_wait_s = wait = self.engine.gil_wait_s
+        self.counts.gil_wait_s += wait
+        if wait > self.counts.gil_wait_max_s:
+            self.counts.gil_wait_max_s = wait
         self.counts.steps += 1
         self.counts.frames_stepped += len(slots)
         if catch_up:
@@ -511,6 +527,9 @@ class EngineBridge:
         if self.on_step is not None:
             self.on_step(out)
         self._publish(out)
+        for row in result.failed or ():  # after the step's frames: the session's last one goes out
+            self.counts.output_failures += 1
+            self._fail_slot(int(slots[row]), int(generations[row]), "internal_error", _RENDER_FAILED)
 
     def _restart(self, cause: str) -> None:
         """Start the engine anew on this thread after it failed (``cause``).

@@ -22,6 +22,9 @@ class StepResult:
     #: Rows whose answer ended with this frame (after ``end_input``: a translation model
     #: sampled its end of text); None when none did.
     finished: list[int] | None = None
+    #: Rows whose output could not be rendered (a text piece the tokenizer raised on): their
+    #: sessions end with ``internal_error``, the others' outputs of the step go out as usual.
+    failed: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,9 @@ class Engine(ABC):
     #: and a voice, run before their first frame), and the voices they may name.
     takes_prompts: bool = False
     voices: tuple[str, ...] = ()
+    #: How long the last step's answer waited for the GIL before the engine thread ran on
+    #: (measured by an engine in its own process: engine_bridge/process_engine.py); 0: unknown.
+    gil_wait_s: float = 0.0
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots

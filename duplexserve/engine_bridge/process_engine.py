@@ -18,6 +18,16 @@ a waiting engine thread takes the GIL back only when the event loop lets it go (
 two seconds held every other session's steps back by a frame (docs/moshi-engine.md).
 A posted command that fails (a bug: they only keep books) fails that next call and marks
 the engine lost, so the bridge starts it anew.
+
+The same wait for the GIL comes after anything the engine thread does with the GIL let go,
+and a loop kept busy (an HTTP flood, issue 67) never lets it go on its own: each such
+hand-off costs a switch interval. A step makes two, counted in ``handoffs``: the request's
+one write and the reply's one read (:func:`_read_reply`; multiprocessing's ``recv`` reads a
+header and then the body, two), and no other (the answer's frames are copied out of shared
+memory with the GIL kept, :func:`_copy_kept`: numpy lets it go for any large copy).
+``gil_wait_s`` is the last reply's wait, from the child's send to the engine thread running
+again (the clock is the system's monotonic one, shared by both processes); the bridge
+exports it and the overload manager sheds work when it grows (server/overload.py).
 """
 
 from __future__ import annotations
@@ -27,6 +37,9 @@ import gc
 import importlib
 import logging
 import multiprocessing as mp
+import os
+import pickle
+import struct
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -60,6 +73,9 @@ class ProcessEngine(Engine):
         self._lost = False
         self._posted: list[tuple[Any, ...]] = []  # commands waiting for the next call
         self._spare: tuple[mp.process.BaseProcess, Connection] | None = None  # --engine-spare
+        self.handoffs = 0  # calls that let the GIL go and had to take it back (see above)
+        self.gil_wait_s = 0.0  # the last reply's, from the child's send to this thread running
+        self.child_step_s = 0.0  # the last step's time in the child
 
     def start(self) -> None:
         if not self._shm:
@@ -124,11 +140,13 @@ class ProcessEngine(Engine):
             raise EngineProcessError("engine process is not running")
         posted, self._posted = self._posted, []
         try:
-            conn.send((posted, message))
-            status, value = conn.recv()  # blocks with the GIL released
+            conn.send((posted, message))  # one write (two for a message over 16 KiB)
+            status, value, sent = _read_reply(conn.fileno())  # blocks with the GIL released
         except (EOFError, OSError, BrokenPipeError) as exc:
             self._lost = True  # the pipe broke: it is dead even if not yet reaped
             raise EngineProcessError("engine process died") from exc
+        self.gil_wait_s = time.monotonic() - sent
+        self.handoffs += 2
         if status == "lost":
             self._lost = True  # a posted command failed: alive() is False, the bridge restarts
             raise EngineProcessError(value)
@@ -163,8 +181,8 @@ class ProcessEngine(Engine):
         n = len(slots)
         if frames.base is not self._in:  # not gathered into the shared buffer already
             self._in[:n] = frames
-        text, finished = self._call(("step", slots))
-        return StepResult(self._out[:n].copy(), text, finished)
+        text, finished, failed, self.child_step_s = self._call(("step", slots))
+        return StepResult(_copy_kept(self._out[:n]), text, finished, failed)
 
     def stop(self) -> None:
         self._stop_child()
@@ -187,6 +205,35 @@ class ProcessEngine(Engine):
             _end(self._proc, self._conn)
         self._posted = []  # for the child that is gone: a new one starts with no slot open
         self._proc = self._conn = None
+
+
+def _read_reply(fd: int) -> tuple[Any, Any, float]:
+    """The child's reply, ``(status, value, sent)``, in one read where it fits (every step's
+    does): multiprocessing's framing, a 4-byte big-endian length then the pickle, read with
+    ``os.read`` rather than ``Connection.recv``'s read of the header and then of the body."""
+    data = os.read(fd, 1 << 16)
+    while len(data) < 4:
+        more = os.read(fd, 4 - len(data)) if data else b""
+        if not more:
+            raise EOFError
+        data += more
+    (size,) = struct.unpack("!i", data[:4])  # a reply is never over 2 GiB (the 8-byte form)
+    parts, have = [data], len(data)
+    while have < 4 + size:
+        more = os.read(fd, 4 + size - have)
+        if not more:
+            raise EOFError
+        parts.append(more)
+        have += len(more)
+    body = b"".join(parts) if len(parts) > 1 else data
+    return pickle.loads(memoryview(body)[4 : 4 + size])  # type: ignore[no-any-return]
+
+
+def _copy_kept(frames: np.ndarray) -> np.ndarray:
+    """A copy of ``frames`` made with the GIL kept: through a bytearray, not numpy's copy,
+    which lets the GIL go and then waits for it like any other hand-off."""
+    out = np.frombuffer(bytearray(memoryview(frames).cast("B")), frames.dtype)
+    return out.reshape(frames.shape)
 
 
 def _end(proc: mp.process.BaseProcess, conn: Connection | None) -> None:
@@ -246,40 +293,43 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
                     assert engine is not None
                     _apply(engine, command)
             except Exception:  # the engine's books may be wrong now: the parent starts anew
-                conn.send(("lost", traceback.format_exc()))
+                conn.send(("lost", traceback.format_exc(), time.monotonic()))
                 continue
             kind = message[0]
             try:
                 if kind == "step":
                     slots = message[1]
                     assert engine is not None
+                    began = time.perf_counter()
                     result = engine.step(slots, frames_in[: len(slots)])
                     frames_out[: len(slots)] = result.audio
-                    conn.send(("ok", (result.text, result.finished)))
+                    took = time.perf_counter() - began
+                    conn.send(("ok", (result.text, result.finished, result.failed, took), time.monotonic()))
                 elif kind == "prompt":
                     assert engine is not None
                     engine.prompt(message[1], message[2])
-                    conn.send(("ok", None))
+                    conn.send(("ok", None, time.monotonic()))
                 elif kind == "warm":
                     assert engine is not None
-                    conn.send(("ok", engine.warm()))
+                    conn.send(("ok", engine.warm(), time.monotonic()))
                 elif kind == "prompt_cached":
                     assert engine is not None
-                    conn.send(("ok", engine.prompt_cached(message[1])))
+                    conn.send(("ok", engine.prompt_cached(message[1]), time.monotonic()))
                 elif kind == "start":
                     _name_process(ENGINE_NAME)
                     engine = build_local_engine(config)
                     engine.start()
                     gc.collect()  # then torch and the model stay out of every later
                     gc.freeze()  # collection's walk (as the server does: server/gc_pauses.py)
-                    conn.send(("ok", (engine.tail, engine.takes_prompts, engine.voices, imported)))
+                    started = (engine.tail, engine.takes_prompts, engine.voices, imported)
+                    conn.send(("ok", started, time.monotonic()))
                 elif kind == "stop":
-                    conn.send(("ok", None))
+                    conn.send(("ok", None, time.monotonic()))
                     return
             except PromptError as exc:  # refused, not failed: the parent raises it with its code
-                conn.send(("prompt_error", (exc.code, str(exc))))
+                conn.send(("prompt_error", (exc.code, str(exc)), time.monotonic()))
             except Exception:  # the parent raises it where the call was made
-                conn.send(("error", traceback.format_exc()))
+                conn.send(("error", traceback.format_exc(), time.monotonic()))
     finally:
         if engine is not None:
             try:

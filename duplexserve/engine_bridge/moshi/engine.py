@@ -317,6 +317,7 @@ class MoshiEngine(Engine):
             streaming_modules,
         )
         from duplexserve.engine_bridge.moshi.row_reset import RowReset
+        from duplexserve.engine_bridge.moshi.slot_state import SlotState
 
         torch = self._torch
         n = self.frame_samples
@@ -348,23 +349,26 @@ class MoshiEngine(Engine):
             self.mimi.streaming_forever(b)
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
-        self._rows = RowBuckets(streaming_modules(self.mimi, self.lm_gen), b, bucket_sizes(b))
-        self._prefix_moves(self._rows.views)
-        with torch.no_grad(), self._no_compile():
-            self._reset_rows = RowReset((self.mimi, self.lm_gen), self._rows.views, b, self.device,
-                                        self.cuda_graphs)  # fmt: skip
+        modules = streaming_modules(self.mimi, self.lm_gen)
+        slots = SlotState(modules, b)  # every per-row tensor, as a fresh row holds it
         if self.family.prompted:  # prompts.py: each row's user codes held back a step
             lm = self.lm_gen.lm_model
             user = lm.num_codebooks - 1 - lm.dep_q
             self._held = torch.zeros((b, user, 1), dtype=torch.long, device=self.device)
             self._lagged = torch.zeros(b, dtype=torch.bool, device=self.device)
+            slots.add(self._held)
+            slots.add(self._lagged)
             self._sine = torch.tensor(self._layout.sine, device=self.device)  # a prompt's last held codes
             self._forced: dict[int, list[np.ndarray]] = {}  # slot -> agent tokens its next steps force
             self._unprompted: set[int] = set()  # opened, no prompt yet: the default runs first
             self._forcing: tuple[Any, Any] | None = None
-            self._rows.views.tensors += [(self._held, 0), (self._lagged, 0)]  # moved with their rows
             with torch.no_grad(), self._eager():
                 self._prefill_runner = Prefill(lm, graphs=self.cuda_graphs)
+        self._slots = slots
+        self._rows = RowBuckets(modules, slots, bucket_sizes(b))
+        self._prefix_moves(self._rows.views)
+        with torch.no_grad(), self._no_compile():
+            self._reset_rows = RowReset(slots, self.device, self.cuda_graphs)
         graphed = self.cuda_graphs and self.device.type == "cuda"
         whole = graphed and self.mimi_graph == "whole"
         pools = (GraphPool(), GraphPool())  # encode's graphs, decode's: each shared by the buckets
@@ -616,6 +620,8 @@ class MoshiEngine(Engine):
         # from a Python number does): after the forward's launch it would hold this thread, and
         # the next step of every live session, until the forward is done.
         tokens = self._to_device(prompt.tokens[: n + 1].T)  # [streams, n + 1]
+        ring = self.lm_gen._streaming_state.cache.shape[2]
+        window = self._to_device(_token_window(prompt.tokens, n, ring, lm.ungenerated_token_id))
         with torch.no_grad(), self._eager():
             self._rows.views.use(self.num_slots)  # the full states: the prefix goes into the full ring
             self._reset_rows(np.arange(row + 1) == row)
@@ -638,7 +644,7 @@ class MoshiEngine(Engine):
             lm.transformer._streaming_state.offsets[row].fill_(n)
             state = self.lm_gen._streaming_state
             state.offsets[row].fill_(n)
-            state.cache[row, :, n % state.cache.shape[2]] = tokens[:, n]
+            state.cache[row] = window  # every position the next steps read before they write it
             self._held[row, :, 0] = self._sine
             self._lagged[row].fill_(True)
         self._lead[slot] = 0  # the prompt's delay is behind it: every step answers
@@ -760,7 +766,8 @@ class MoshiEngine(Engine):
                 torch.cuda.current_stream(self.device).synchronize()
         audio = self._out_np[rows]  # fancy indexing: a copy, the buffers are reused
         audio[~ready] = 0.0
-        text = self._text(rows, ready) if self.tokenizer is not None else {}
+        failed: list[int] = []
+        text = self._text(rows, ready, failed) if self.tokenizer is not None else {}
         finished = None
         if (eoi_at >= 0).any():  # past its end-of-input frame, a row ends at its end of text
             done = (eoi_at >= 0) & (steps > eoi_at) & ready
@@ -780,7 +787,7 @@ class MoshiEngine(Engine):
                 *self._prompts_since_step,
             )  # fmt: skip
         self._prompts_since_step = [0, 0]
-        return StepResult(audio, text, finished)
+        return StepResult(audio, text, finished, failed or None)
 
     def _refresh_lm_mask(self) -> None:
         """Under guidance the LM's modules read the slots' mask repeated (``_share_exec_mask``)."""
@@ -798,16 +805,26 @@ class MoshiEngine(Engine):
             mask[first] = True
             self.mimi.reset_streaming(self._to_device(mask))
 
-    def _text(self, rows: np.ndarray, ready: np.ndarray) -> dict[int, str]:
+    def _text(self, rows: np.ndarray, ready: np.ndarray, failed: list[int]) -> dict[int, str]:
+        """The text piece of each row that sampled one. A row whose piece cannot be rendered
+        is added to ``failed`` (its session ends alone, not the step): only ids the tokenizer
+        has are looked up, and what it raises for one of them is that row's fault."""
         ids = self._text_np[rows]
-        hits = np.flatnonzero(ready & (ids != self._skip_text[0]) & (ids != self._skip_text[1]))
-        assert self.tokenizer is not None
-        vocab = self.tokenizer.get_piece_size()
-        return {
-            int(i): self.tokenizer.id_to_piece(int(ids[i])).replace("\u2581", " ")
-            for i in hits.tolist()
-            if ids[i] < vocab
-        }
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        vocab = tokenizer.get_piece_size()
+        hits = np.flatnonzero(
+            ready & (ids >= 0) & (ids < vocab) & (ids != self._skip_text[0]) & (ids != self._skip_text[1])
+        )
+        text = {}
+        for i in hits.tolist():
+            try:
+                text[i] = tokenizer.id_to_piece(int(ids[i])).replace("\u2581", " ")
+            except Exception:
+                slot = self._rows.map.slot_of[rows[i]]
+                log.exception("moshi engine: the text of slot %d could not be rendered", slot)
+                failed.append(i)
+        return text
 
     def stop(self) -> None:
         """Drop the models and their streaming state, so that a restart (the bridge's
@@ -844,6 +861,22 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[name] = now - self.last
         self.last = now
+
+
+def _token_window(tokens: np.ndarray, n: int, ring: int, ungenerated: int) -> np.ndarray:
+    """LMGen's token cache of a row whose prompt ends at position ``n`` (``Prompt.tokens``):
+    positions ``n - 1 .. n + ring - 2``, each at its place in the ``ring``-long cache.
+
+    The step at ``n`` reads position ``n`` as input and, for the streams without delay,
+    ``n - 1`` as output; the user's delayed streams are read at ``n + 1 ..`` before any step
+    writes them. Positions the prompt leaves to the model (-1) hold what a fresh row holds:
+    a step writes them before they are read.
+    """
+    window = np.full((tokens.shape[1], ring), ungenerated, dtype=np.int64)
+    for p in range(n - 1, n + ring - 1):
+        known = tokens[p] >= 0
+        window[known, p % ring] = tokens[p][known]
+    return window
 
 
 def _prompt_key(params: dict[str, Any]) -> tuple[str, str]:

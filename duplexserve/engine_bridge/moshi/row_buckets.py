@@ -21,9 +21,9 @@ batch to a captured CUDA-graph size, with one set of graphs per bucket (moshi's
   moves at most about ``MOVE_BYTES`` of state, the rest in the steps after it: when many
   sessions end together, moving every row at once makes one step longer than a frame.
 
-Every state class moshi 0.2.13 and our live modules build is listed in ``_FIELDS`` with
-its per-row tensors and their batch axis; a model with any other state (cross-attention,
-classifier-free guidance's doubled batch) steps its full batch, as before.
+Which tensors are per row, and their batch axis, is slot_state.py's one list; a model whose
+state holds a row twice (classifier-free guidance) or has cross-attention steps its full
+batch.
 """
 
 from __future__ import annotations
@@ -38,37 +38,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from moshi.models.compression import _MimiState
-from moshi.models.lm import _LMGenState
-from moshi.modules.conv import _StreamingConv1dState, _StreamingConvTr1dState
-from moshi.modules.streaming import State, StreamingModule
-from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
+from moshi.modules.streaming import StreamingModule
 from moshi.utils import compile as moshi_compile
 from moshi.utils.compile import CUDAGraphed
 
-from .live_lm import QuantRing
+from .slot_state import RING_SLOTS, SlotState, per_row, ring_of, set_field
 
 log = logging.getLogger(__name__)
 
-# Per-row tensors of each state class and their batch axis. Plain ints (``offset_cpu``)
-# stay per view: only weights-per-step layers read them, the depformer's, whose state
-# lives for one LM step.
-_FIELDS: dict[type, tuple[tuple[str, int], ...]] = {
-    State: (),
-    _LayerState: (),
-    _MimiState: (),
-    _TransformerState: (("offsets", 0),),
-    _MHAState: (("offset", 0),),
-    _StreamingConv1dState: (("previous", 0), ("first", 0)),
-    _StreamingConvTr1dState: (("partial", 0),),
-    _LMGenState: (("cache", 0), ("offsets", 0), ("condition_sum", 0), ("condition_cross", 0)),
-}
-RING_SLOTS = 3  # the slot axis of a ring's cache ([2, B, heads, capacity, dim]) and scales
-_RINGS: dict[type, tuple[tuple[str, int], ...]] = {
-    RingKVCache: (("cache", 1), ("end_offset", 0)),  # cache: [2, B, heads, capacity, dim]
-    QuantRing: (("cache", 1), ("scale", 1)),
-}
-_REASSIGNED = {_StreamingConv1dState: "first", _LMGenState: "offsets"}  # ``state.x = new tensor``
 #: The state a step moves at most (one row at least). H200, Hibiki-Zero int8 at 60 s: 128 rows
 #: moved at once, about 9 GB, made an 81 ms step of a 34 ms one; 1 GiB costs a step about 5 ms.
 MOVE_BYTES = 1 << 30
@@ -198,14 +175,19 @@ class RowMap:
 
 
 class StateViews:
-    """Streaming states of ``modules`` for every bucket size, as views of the full ones."""
+    """Streaming states of ``modules`` for every bucket size, as views of the full ones; a
+    move copies every tensor of ``slots`` (slot_state.py), the one list a reset clears."""
 
-    def __init__(self, modules: Iterable[StreamingModule], rows: int, sizes: Sequence[int]) -> None:
+    def __init__(
+        self, modules: Iterable[StreamingModule], slots: SlotState, sizes: Sequence[int]
+    ) -> None:
+        rows = slots.rows
         self.modules = [m for m in modules if m._streaming_state is not None]
         for module in self.modules:
             if getattr(module, "cross_attention", False) or getattr(module, "cfg_coef", 1.0) != 1.0:
                 raise Unbucketable(f"{type(module).__name__} with cross-attention or CFG")
-            _write_in_place(module._streaming_state)
+        if self.modules and slots.doubled:
+            raise Unbucketable("a state holds each row twice")
         full = [m._streaming_state for m in self.modules]
         for state in full:  # every bucket's graphs of one function share one pool
             for name, value in list(vars(state).items()):
@@ -213,12 +195,17 @@ class StateViews:
                     setattr(state, name, PooledGraphed(value.func, GraphPool(), value.disable))
         self.by_size = {n: full if n == rows else [_view(s, rows, n) for s in full] for n in sizes}
         self.size = rows
-        self.tensors = list({id(t): (t, axis) for s in full for _, _, t, axis in _per_row(s, rows)}.values())
+        self.slots = slots
         #: Rings whose row holds valid slots only in ``[0, min(steps, capacity))`` (the LM's: its
         #: ring is as long as its context), by tensor id, and how many of a moved row's slots
         #: are valid (``live_prefix``): set by the engine, so that a move copies no dead slot.
         self.prefixed: set[int] = set()
         self.live_prefix: Callable[[np.ndarray], int] | None = None
+
+    @property
+    def tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-row tensor and its batch axis (``SlotState``'s list)."""
+        return [(e.tensor, e.axis) for e in self.slots.entries]
 
     def use(self, size: int) -> None:
         """Point every module at its state for ``size`` rows."""
@@ -253,13 +240,14 @@ class StateViews:
 class RowBuckets:
     """The engine's rows: which slot is where, moves, and the states of a step's bucket."""
 
-    def __init__(self, modules: Iterable[StreamingModule], rows: int, sizes: Sequence[int]) -> None:
+    def __init__(self, modules: Iterable[StreamingModule], slots: SlotState, sizes: Sequence[int]) -> None:
+        rows = slots.rows
         try:
-            self.views = StateViews(modules, rows, sizes)
+            self.views = StateViews(modules, slots, sizes)
         except Unbucketable as exc:
             log.warning("moshi engine: every step runs all %d rows (%s)", rows, exc)
             sizes = [rows]
-            self.views = StateViews((), rows, sizes)
+            self.views = StateViews((), slots, sizes)
         self.sizes = list(sizes)
         self.map = RowMap(rows, sizes)
         self.moves = 0
@@ -286,17 +274,6 @@ class RowBuckets:
         return rows, size, mask
 
 
-def _per_row(state: Any, rows: int) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
-    """Each per-row tensor of ``state`` (``rows`` of them): its owner (the state or its
-    ring), its name there, the tensor, its batch axis."""
-    ring = _ring(state)
-    for owner, fields in ((state, _FIELDS[_library_class(state)]), (ring, _ring_fields(ring))):
-        for name, axis in fields:
-            tensor = _get(owner, name)
-            if tensor is not None and tensor.shape[axis] == rows:
-                yield owner, name, tensor, axis
-
-
 def _view(state: Any, rows: int, size: int) -> Any:
     """``state`` for the first ``size`` rows: per-row tensors narrowed, fresh CUDA graphs."""
     view = copy.copy(state)
@@ -306,63 +283,8 @@ def _view(state: Any, rows: int, size: int) -> Any:
         if isinstance(value, PooledGraphed):
             setattr(view, name, PooledGraphed(value.func, value.pool, value.disable))
     view._set_exec_mask_graphed = None
-    if _ring(state) is not None:
+    if ring_of(state) is not None:
         view.kv_cache = copy.copy(state.kv_cache)
-    for owner, name, tensor, axis in list(_per_row(view, rows)):
-        _set(owner, name, tensor.narrow(axis, 0, size))
+    for owner, name, tensor, axis in list(per_row(view, rows)):
+        set_field(owner, name, tensor.narrow(axis, 0, size))
     return view
-
-
-def _library_class(state: Any) -> type:
-    cls = getattr(type(state), "_library_class", type(state))
-    if cls not in _FIELDS:
-        raise Unbucketable(f"unknown streaming state {cls.__name__}")
-    return cls
-
-
-def _ring(state: Any) -> Any:
-    return getattr(state, "kv_cache", None)
-
-
-def _ring_fields(ring: Any) -> tuple[tuple[str, int], ...]:
-    if ring is None:
-        return ()
-    if type(ring) not in _RINGS:
-        raise Unbucketable(f"unknown KV cache {type(ring).__name__}")
-    return _RINGS[type(ring)]
-
-
-def _held(name: str) -> str:
-    return "_held_" + name
-
-
-def _get(owner: Any, name: str) -> Any:
-    return vars(owner).get(_held(name), getattr(owner, name, None))
-
-
-def _set(owner: Any, name: str, value: Any) -> None:
-    vars(owner)[_held(name) if _held(name) in vars(owner) else name] = value
-
-
-def _write_in_place(state: State) -> None:
-    """Make the library's ``state.x = new_tensor`` write into the tensor the views share."""
-    name = _REASSIGNED.get(type(state))
-    if name is not None:
-        held = vars(state).pop(name)
-        state.__class__ = _in_place_class(type(state), name)
-        vars(state)[_held(name)] = held
-
-
-@functools.cache
-def _in_place_class(cls: type, name: str) -> type:
-    key = _held(name)
-
-    def get(self: Any) -> torch.Tensor:
-        return vars(self)[key]
-
-    def put(self: Any, value: torch.Tensor) -> None:
-        held = vars(self)[key]
-        if value is not held:
-            held.copy_(value)
-
-    return type(cls.__name__, (cls,), {name: property(get, put), "_library_class": cls})

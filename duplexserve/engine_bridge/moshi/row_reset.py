@@ -1,42 +1,38 @@
-"""Resetting rows of the batched streaming state: moshi's ``reset_streaming(mask)`` in one launch.
+"""Resetting rows of the batched streaming state in one launch.
 
-moshi resets its streaming state module by module, a few small kernels each (a
-``torch.where`` of the mask, a fresh tensor of zeros or ones, a copy back): for
-PersonaPlex's Mimi and LM about 700 launches and 8 ms of the engine thread on an H200
-(``bench moshi-prompts --profile``), added to the next step of every live session each
-time one session opens. Captured once as a CUDA graph for a mask of every row, the same
-kernels replay in one launch; the mask is filled from pinned host memory, so nothing on
-the way waits for the GPU.
+A reset writes a fresh row's content into every per-row tensor of the slot state
+(slot_state.py): the one list the row moves use too, so nothing of the previous session
+survives that a move would carry. moshi's own ``reset_streaming(mask)`` resets only the
+offsets and leaves the rest (LMGen's token cache around the last position, among others)
+to be overwritten before it is read, which a prompt's prefill does not do everywhere.
 
-A graph writes the memory its capture saw: the full states. The bucket states
-(row_buckets.py) are views of that memory, so a reset replayed while a smaller bucket is
-in use writes the same rows. What the library's resets do besides kernels (``offset_cpu
-= 0``) is not replayed; only the depformer reads it, whose state lives one LM step.
-Where no graph can be captured (the CPU, or a state whose reset is not capturable) the
-library's resets run as before.
+The reset runs a ``torch.where`` per tensor (for PersonaPlex's Mimi and LM a few hundred
+small kernels, 8 ms of the engine thread on an H200, added to the next step of every live
+session each time one session opens); captured once as a CUDA graph for a mask of every
+row, the same kernels replay in one launch. The mask is filled from pinned host memory, so
+nothing on the way waits for the GPU. A graph writes the memory its capture saw: the
+full tensors, which the bucket states (row_buckets.py) are views of. Where no graph can be
+captured (the CPU) the kernels run one by one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
-from .row_buckets import StateViews
+from .slot_state import SlotState
 
 log = logging.getLogger(__name__)
 
 
 class RowReset:
-    """``reset_streaming`` of ``roots`` for some rows, all their states' rows at once."""
+    """``SlotState.reset`` for some rows, with its mask set from the host."""
 
-    def __init__(
-        self, roots: Sequence[Any], views: StateViews, rows: int, device: torch.device, graph: bool
-    ) -> None:
-        self.roots, self.views = list(roots), views
+    def __init__(self, slots: SlotState, device: torch.device, graph: bool) -> None:
+        self.slots = slots
+        rows = slots.rows
         cuda = device.type == "cuda"
         self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self._host = torch.zeros(rows, dtype=torch.bool, pin_memory=cuda)
@@ -56,16 +52,7 @@ class RowReset:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._reset()
-
-    def _reset(self) -> None:
-        size = self.views.size
-        self.views.use(len(self.mask))  # the full states: what a graph writes too
-        try:
-            for root in self.roots:
-                root.reset_streaming(self.mask)
-        finally:
-            self.views.use(size)
+            self.slots.reset(self.mask)
 
     def _capture(self) -> torch.cuda.CUDAGraph | None:
         self._np[:] = False
@@ -74,12 +61,12 @@ class RowReset:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._reset()  # the kernels' first run is not captured
+                self.slots.reset(self.mask)  # the kernels' first run is not captured
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._reset()
-        except Exception as exc:  # a state of another library version: its own resets, as before
-            log.warning("moshi engine: row resets run module by module (%s)", exc)
+                self.slots.reset(self.mask)
+        except RuntimeError as exc:  # the reset runs kernel by kernel instead
+            log.warning("moshi engine: row resets run uncaptured (%s)", exc)
             return None
         return graph

@@ -1,0 +1,206 @@
+"""Every per-row tensor of the engine's batched state, and what a fresh row holds in each.
+
+One list serves everything that touches a slot's state as a whole: the reset when a
+session opens (``SlotState.reset``), a row's move to another row (row_buckets.py) and the
+bucket views. A tensor the list knows is reset, moved and viewed alike; one it does not
+know stops the start (``UnknownState``), so no path can miss what another one handles.
+
+Every state class moshi 0.2.13 and our live modules build is listed in ``_FIELDS`` with
+its per-row tensors and their batch axis; the engine adds its own per-row tensors
+(PersonaPlex's held user codes) with :meth:`SlotState.add`. What a fresh row holds is read
+off the states as ``streaming_forever`` built them, before any step: a reset row gets
+exactly that back, whatever its last session did, so a reused slot starts where a fresh
+engine's does. Two kinds of tensor are not rewritten by a reset, because nothing can read
+them until the row writes them again:
+
+- a KV ring's keys and values (and their scales): a row reads only the slots below its own
+  offsets (``end_offset``, the transformer's clock), which the reset sets to zero; each
+  step writes the slot it then reads. Rewriting them would cost a whole ring per reset.
+- nothing else: LMGen's token cache, Mimi's convolution buffers, every offset and every
+  engine-side tensor are rewritten.
+
+Under classifier-free guidance the LM's modules hold every row twice (conditioned, then
+unconditioned); their tensors' batch axis has ``2 * rows`` entries and a row's reset
+covers both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from moshi.models.compression import _MimiState
+from moshi.models.lm import _LMGenState
+from moshi.modules.conv import _StreamingConv1dState, _StreamingConvTr1dState
+from moshi.modules.streaming import State, StreamingModule
+from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
+
+from .live_lm import QuantRing
+
+# Per-row tensors of each state class and their batch axis. Plain ints (``offset_cpu``)
+# stay per view: only weights-per-step layers read them, the depformer's, whose state
+# lives for one LM step.
+_FIELDS: dict[type, tuple[tuple[str, int], ...]] = {
+    State: (),
+    _LayerState: (),
+    _MimiState: (),
+    _TransformerState: (("offsets", 0),),
+    _MHAState: (("offset", 0),),
+    _StreamingConv1dState: (("previous", 0), ("first", 0)),
+    _StreamingConvTr1dState: (("partial", 0),),
+    _LMGenState: (("cache", 0), ("offsets", 0), ("condition_sum", 0), ("condition_cross", 0)),
+}
+RING_SLOTS = 3  # the slot axis of a ring's cache ([2, B, heads, capacity, dim]) and scales
+_RINGS: dict[type, tuple[tuple[str, int], ...]] = {
+    RingKVCache: (("cache", 1), ("end_offset", 0)),  # cache: [2, B, heads, capacity, dim]
+    QuantRing: (("cache", 1), ("scale", 1)),
+}
+#: A ring's fields read only below the row's offsets: a reset leaves them (module docstring).
+_RING_DATA = frozenset({"cache", "scale"})
+_REASSIGNED = {_StreamingConv1dState: "first", _LMGenState: "offsets"}  # ``state.x = new tensor``
+
+
+class UnknownState(Exception):
+    """A streaming state whose per-row tensors are not known."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowTensor:
+    """One per-row tensor: its batch ``axis`` holds ``copies`` rows a slot (2 under
+    guidance); ``fresh`` is a fresh row's content (None: a ring's data, never reset)."""
+
+    tensor: torch.Tensor
+    axis: int
+    copies: int
+    fresh: torch.Tensor | None
+
+
+class SlotState:
+    """The per-row tensors of ``modules`` (``rows`` slots) and of the engine."""
+
+    def __init__(self, modules: Iterable[StreamingModule], rows: int) -> None:
+        self.rows = rows
+        self.entries: list[RowTensor] = []
+        seen: set[int] = set()
+        for module in modules:
+            state = module._streaming_state
+            if state is None:
+                continue
+            write_in_place(state)
+            for owner, name, tensor, axis in per_row(state, rows):
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    ring_data = owner is not state and name in _RING_DATA
+                    self._append(tensor, axis, None if ring_data else _fresh(tensor, axis))
+
+    def add(self, tensor: torch.Tensor, axis: int = 0) -> None:
+        """An engine-side per-row tensor, as it is now (every row fresh)."""
+        self._append(tensor, axis, _fresh(tensor, axis))
+
+    def _append(self, tensor: torch.Tensor, axis: int, fresh: torch.Tensor | None) -> None:
+        copies = tensor.shape[axis] // self.rows
+        self.entries.append(RowTensor(tensor, axis, copies, fresh))
+
+    @property
+    def doubled(self) -> bool:
+        """Whether some tensor holds each row twice (guidance): such a state steps whole."""
+        return any(e.copies != 1 for e in self.entries)
+
+    def reset(self, mask: torch.Tensor) -> None:
+        """Every row set in ``mask`` (bool, one per slot) back to a fresh row, in place.
+        Fixed shapes and no host read: a CUDA graph captures it (row_reset.py)."""
+        for entry in self.entries:
+            if entry.fresh is None:
+                continue
+            rows = mask.repeat(entry.copies) if entry.copies != 1 else mask
+            shape = [1] * entry.tensor.dim()
+            shape[entry.axis] = len(rows)
+            entry.tensor.copy_(torch.where(rows.view(shape), entry.fresh, entry.tensor))
+
+    def differences(self, row: int) -> list[str]:
+        """Where row ``row`` is not a fresh row (``tensor N [shape]``), rings' data aside: what
+        a test checks after a reset."""
+        out = []
+        for i, entry in enumerate(self.entries):
+            if entry.fresh is None:
+                continue
+            for copy in range(entry.copies):
+                got = entry.tensor.narrow(entry.axis, row + copy * self.rows, 1)
+                if not torch.equal(got, entry.fresh.expand_as(got)):
+                    out.append(f"tensor {i} {tuple(entry.tensor.shape)}")
+        return out
+
+
+def _fresh(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    """Row 0 of ``tensor`` (every row is alike when it is taken), kept as a size-1 axis."""
+    return tensor.narrow(axis, 0, 1).clone()
+
+
+def per_row(state: Any, rows: int) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
+    """Each per-row tensor of ``state`` (``rows`` slots, or twice that under guidance): its
+    owner (the state or its ring), its name there, the tensor, its batch axis."""
+    ring = ring_of(state)
+    for owner, fields in ((state, _FIELDS[library_class(state)]), (ring, _ring_fields(ring))):
+        for name, axis in fields:
+            tensor = get_field(owner, name)
+            if tensor is not None and tensor.shape[axis] in (rows, 2 * rows):
+                yield owner, name, tensor, axis
+
+
+def library_class(state: Any) -> type:
+    cls = getattr(type(state), "_library_class", type(state))
+    if cls not in _FIELDS:
+        raise UnknownState(f"unknown streaming state {cls.__name__}")
+    return cls
+
+
+def ring_of(state: Any) -> Any:
+    return getattr(state, "kv_cache", None)
+
+
+def _ring_fields(ring: Any) -> tuple[tuple[str, int], ...]:
+    if ring is None:
+        return ()
+    if type(ring) not in _RINGS:
+        raise UnknownState(f"unknown KV cache {type(ring).__name__}")
+    return _RINGS[type(ring)]
+
+
+def _held(name: str) -> str:
+    return "_held_" + name
+
+
+def get_field(owner: Any, name: str) -> Any:
+    return vars(owner).get(_held(name), getattr(owner, name, None))
+
+
+def set_field(owner: Any, name: str, value: Any) -> None:
+    vars(owner)[_held(name) if _held(name) in vars(owner) else name] = value
+
+
+def write_in_place(state: State) -> None:
+    """Make the library's ``state.x = new_tensor`` write into the tensor already there, so
+    that the list above (and the bucket views) keep seeing the live tensor."""
+    name = _REASSIGNED.get(type(state))
+    if name is not None:
+        held = vars(state).pop(name)
+        state.__class__ = _in_place_class(type(state), name)
+        vars(state)[_held(name)] = held
+
+
+@functools.cache
+def _in_place_class(cls: type, name: str) -> type:
+    key = _held(name)
+
+    def get(self: Any) -> torch.Tensor:
+        return vars(self)[key]
+
+    def put(self: Any, value: torch.Tensor) -> None:
+        held = vars(self)[key]
+        if value is not held:
+            held.copy_(value)
+
+    return type(cls.__name__, (cls,), {name: property(get, put), "_library_class": cls})
