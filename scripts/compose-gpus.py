@@ -31,8 +31,9 @@ DOCKER = Path(__file__).resolve().parent.parent / "docker"
 #: The upstream block's server lines in docker/nginx/duplexserve.conf (one per replica).
 SERVER_LINE = re.compile(r"^([ \t]*)server duplexserve(-\d+)?:8998 (.*)$", re.MULTILINE)
 #: Each replica's own upstream, and the line of the resume map that routes its tokens there.
-REPLICA_UPSTREAM = re.compile(r"^([ \t]*)upstream replica-duplexserve(-\d+)? \{ server duplexserve(-\d+)?:8998; \}$",
-                              re.MULTILINE)
+REPLICA_UPSTREAM = re.compile(
+    r"^([ \t]*)upstream replica-duplexserve(-\d+)? \{ server duplexserve(-\d+)?:8998; \}$", re.MULTILINE
+)
 RESUME_ROUTE = re.compile(r"^([ \t]*)~\^duplexserve(-\d+)?\\\. replica-duplexserve(-\d+)?;$", re.MULTILINE)
 
 
