@@ -98,6 +98,17 @@ def test_a_missing_torch_and_a_missing_checkpoint(tmp_path):
     assert "moshi weights folder /nonexistent/weights does not exist" in done.stdout
 
 
+def test_a_released_repository_without_a_config_leaves_no_moshi_warning(tmp_path):
+    """kyutai/moshiko-pytorch-bf16 ships no config.json, as planned: moshi's warning that it
+    takes the Moshi 7B defaults came on stderr after the report."""
+    done = run("check", "--engine", "moshi", "--moshi-hf-repo", "kyutai/moshiko-pytorch-bf16",
+               env={"HF_HUB_CACHE": str(tmp_path)})
+    assert done.returncode == 1
+    assert "model.safetensors of kyutai/moshiko-pytorch-bf16@main is not in the local Hugging Face cache" \
+        in done.stdout
+    assert done.stderr == ""
+
+
 def test_the_synthetic_engine_and_max_sessions_auto_on_the_cpu():
     done = run("check")
     assert done.returncode == 0 and fields(done.stdout)["engine"] == "synthetic (echo): no model, no GPU"

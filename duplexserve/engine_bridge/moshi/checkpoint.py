@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,10 @@ def resolve_checkpoint(source: CheckpointSource) -> CheckpointInfo:
     config = _local(source.config) if source.config else None
     lora = _local(source.lora) if source.lora else None
     tokenizer = _local(source.tokenizer) if source.tokenizer else None
-    with _files_from(_Files(folder, no_config=_ships_no_config(repo, folder))):
+    no_config = _ships_no_config(repo, folder)
+    with _files_from(_Files(folder, no_config=no_config)), warnings.catch_warnings():
+        if no_config:  # moshi's warning that it takes the Moshi 7B defaults: right for these, and noise
+            warnings.filterwarnings("ignore", "Repository .* contains no config.json", UserWarning)
         info = loaders.CheckpointInfo.from_hf_repo(
             repo, tokenizer=tokenizer, config_path=config, lora_weights=lora, revision=revision
         )
