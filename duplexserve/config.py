@@ -296,6 +296,13 @@ class ServerConfig:
     ws_budget_burst_s: float = _opt(
         4.0, "how many seconds of its rate a WebSocket connection may send at once (the buckets' depth)"
     )
+    overload_lag_ms: float = _opt(
+        40.0, "the event loop counts as overloaded past this lag (a timer due every 50 ms running late): "
+        "new HTTP requests but a reserve of probes, and new sessions, are shed (docs/reliability.md)"
+    )
+    overload_gil_wait_ms: float = _opt(
+        20.0, "the same past this wait of an engine step's answer for the GIL (--engine-process)"
+    )
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
     max_sessions_per_client: int = _opt(

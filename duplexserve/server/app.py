@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from duplexserve import __version__
+from duplexserve import __version__, errors
 from duplexserve.codecs.opus_budget import OpusLimits
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
@@ -36,6 +36,7 @@ from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.session import Limits
 from duplexserve.server.http_errors import http_error
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
+from duplexserve.server.overload import OverloadCollector, OverloadManager, Thresholds
 from duplexserve.server.protocols.moshi_chat import MoshiConnection
 from duplexserve.server.protocols.native import NativeConnection
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
@@ -105,6 +106,10 @@ class DuplexApp:
         self.metrics.registry.register(TwilioCollector())
         self.webrtc = WebRTCCalls(config, self.orchestrator, self.codec_pool, self.codec_procs)
         self.metrics.registry.register(WebRTCCollector(self.webrtc))
+        #: Sheds what is not live audio when the loop runs late (server/overload.py).
+        thresholds = Thresholds(config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000)
+        self.overload = OverloadManager(thresholds, lambda: self.orchestrator.bridge.take_gil_wait())
+        self.metrics.registry.register(OverloadCollector(self.overload))
         self.http = self._http_app()
         self.api_keys = auth.parse_list(config.api_keys)
         self.keyed_paths = DOCS_PATHS | ({"/metrics"} if config.metrics_auth else set())
@@ -115,9 +120,11 @@ class DuplexApp:
         if self.freeze_gc:  # after the engine and everything else of the startup exist
             gc_pauses.freeze()
         self.metrics.gc_pauses.start()
+        self.overload.start()
         try:
             yield
         finally:
+            self.overload.stop()
             self.metrics.gc_pauses.stop()
             await self.orchestrator.stop()
             await self.webrtc.close()
@@ -184,6 +191,10 @@ class DuplexApp:
                 return
             transport = WebSocketTransport(scope, receive, send, self.config)
             adapter = protocol(transport, self.orchestrator, self.config, self.codec_pool, self.codec_procs)
+            if not self.overload.admit_session():  # before any work for it
+                if (await receive())["type"] == "websocket.connect":
+                    await adapter.refuse(errors.TRY_AGAIN, "server_unavailable", "overloaded: retry later")
+                return
             await transport.run(adapter)
             return
         if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.api_keys:

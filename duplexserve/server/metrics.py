@@ -165,6 +165,10 @@ class Metrics:
             "duplexserve_engine_catchup_arrival_seconds",
             "how long after its due time the latest frame of a catch-up step arrived",
         )
+        self.gil_wait = self._loop_histogram(
+            "duplexserve_engine_gil_wait_seconds",
+            "an engine step's answer waiting for the GIL before the engine thread ran on (engine process)",
+        )
         self.gc_pauses = GcPauses(self.registry)
 
     def _loop_histogram(self, name: str, documentation: str) -> Histogram:
@@ -178,6 +182,7 @@ class Metrics:
     def observe_step(self, out: StepOutput) -> None:
         self.step_seconds.observe(out.duration_s)
         self.batch_size.observe(len(out.slots))
+        self.gil_wait.observe(out.gil_wait_s)
         if out.catch_up:
             self.catch_up_arrival.observe(out.arrived_past_due_s)
         elif out.tick_lag_s is not None:

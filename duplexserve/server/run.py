@@ -18,9 +18,10 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.config import ServerConfig, trusted_proxies
-from duplexserve.server import log_redaction
+from duplexserve.server import auth, log_redaction
 from duplexserve.server.app import DuplexApp, create_app
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.http_budgets import HttpLimits, budgeted_http
 from duplexserve.server.transports.websocket.budgets import (
     DEFAULT_LIMITS,
     UNLIMITED,
@@ -148,6 +149,9 @@ def websocket_protocol(ws: str, limits: RateLimits | None = DEFAULT_LIMITS) -> s
             problem,
         )
         ws = "websockets-sansio"
+    if ws == "websockets" and limits is not None:  # uvicorn's legacy protocol: no way to budget it
+        log.warning("--ws websockets served as websockets-sansio, the protocol with per-connection budgets")
+        ws = "websockets-sansio"
     if ws != "websockets-sansio" or limits is None:
         return ws
     problem = fallback_problem()
@@ -164,6 +168,13 @@ def rate_limits(config: ServerConfig) -> RateLimits:
     )  # fmt: skip
 
 
+def http_protocol(config: ServerConfig, app: object) -> type[HttpToolsProtocol]:
+    """The HTTP protocol with its request budgets and the app's overload manager, if it has one."""
+    base = handshake_limited(config.handshake_timeout_s)
+    proxies = list(auth.parse_list(config.forwarded_allow_ips))
+    return budgeted_http(base, HttpLimits(), getattr(app, "overload", None), proxies)
+
+
 def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> uvicorn.Config:
     """uvicorn's settings for ``config``; ``budgets`` False: the WebSocket protocols with no
     budget, uvicorn's as they come (the benchmarks' echo floors)."""
@@ -176,7 +187,7 @@ def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> u
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http=handshake_limited(config.handshake_timeout_s),
+        http=http_protocol(config, app) if budgets else handshake_limited(config.handshake_timeout_s),
         ws=websocket_protocol(config.ws, rate_limits(config) if budgets else None),
         ws_per_message_deflate=False,
         # A hard backstop above our own limit, which answers with an error event first.
@@ -208,6 +219,31 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: uvicorn's INFO lines for every WebSocket (its handshake's outcome, "connection open" and
+#: "closed"): a client reconnecting without a key wrote 2-3 lines a try, 1.4 MB in 10 s.
+PER_CONNECTION_LINES = frozenset(
+    {'%s - "WebSocket %s" [accepted]', '%s - "WebSocket %s" 403', '%s - "WebSocket %s" %d', "connection open"}
+)
+
+
+def per_connection_line(record: logging.LogRecord) -> bool:
+    """False for uvicorn's per-connection lines below WARNING (a filter of ``uvicorn.error``)."""
+    return record.levelno >= logging.WARNING or record.msg not in PER_CONNECTION_LINES
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, so a busy port is
+    said at once rather than after the load; an OSError where it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own, for a restart
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(config: ServerConfig, sock: socket.socket) -> None:
     """Serve ``config`` on ``sock``, bound by :func:`listen_socket`."""
     log_redaction.install()  # the root's handler; uvicorn's come with its config
@@ -217,6 +253,8 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     app = create_app(config)
     app.freeze_gc = True
     server_config = uvicorn_config(config, app)  # configures uvicorn's log handlers
+    if config.log_level != "debug":
+        logging.getLogger("uvicorn.error").addFilter(per_connection_line)
     log_redaction.install()
     if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --api-keys: anyone who reaches %s:%d can open sessions", config.host, config.port)

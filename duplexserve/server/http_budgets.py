@@ -1,0 +1,189 @@
+"""What HTTP requests may cost the loop: budgets per connection, per address and in all.
+
+uvicorn parses every request a read holds and queues the pipelined ones without bound;
+FastAPI's routing then costs the loop about 100 us each. Two keep-alive connections
+pipelining ``GET /health`` 32 requests a write (17k-50k requests a second) held the loop
+so that every live session's frames were hundreds of milliseconds late, seconds with the
+engine in its own process (issue 67). Each request is now charged, from its head alone,
+before any task or routing:
+
+- to its connection: at most ``pipeline_depth`` requests waiting behind the one being
+  answered, and ``requests_per_s`` a second (``burst_s`` seconds of it at once);
+- to its address (the peer's; IPv6 by /64; none for a proxy of ``--forwarded-allow-ips``,
+  whose clients the proxy limits): ``address_requests_per_s``, across its connections. An
+  address already over it has new connections closed before anything is read;
+- to the server: the overload manager's ceiling and shedding (server/overload.py), which
+  answer 503 but for a reserve of probes.
+
+Over a budget: 429 (or nothing, where an earlier response is still due) and the connection
+closed, counted as ``duplexserve_connections_over_budget_total{budget}`` and logged at most
+once per budget every :data:`LOG_EVERY_S`. WebSocket upgrades are not charged here: their
+sessions have budgets of their own (transports/websocket/budgets.py, admission).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.overload import OverloadManager
+from duplexserve.server.token_buckets import AddressBuckets, Bucket
+
+log = logging.getLogger("duplexserve")
+
+#: One log line per budget at most this often, with the count since the last.
+LOG_EVERY_S = 10.0
+_TOO_MANY = (
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 0\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+)
+_UNAVAILABLE = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+)
+
+
+class _Stop(Exception):
+    """Raised in a parser callback of a refused connection: httptools stops at once (uvicorn
+    takes it for a parser error, whose answer and log line the refusal replaces)."""
+
+
+_QUIET = logging.getLogger("duplexserve.http_refused")
+_QUIET.disabled = True
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Per-connection and per-address request budgets; a rate of 0: no limit."""
+
+    requests_per_s: float = 50.0
+    address_requests_per_s: float = 200.0
+    pipeline_depth: int = 8
+    burst_s: float = 4.0
+
+
+def address_key(client: tuple[str, int] | None, proxies: list[str]) -> str | None:
+    """The address a connection's requests are charged to: the peer's (IPv6 by /64), or
+    None for a trusted proxy (``*`` trusts every peer) or a peer with no address."""
+    if client is None or "*" in proxies:
+        return None
+    try:
+        ip = ipaddress.ip_address(client[0])
+    except ValueError:  # a Unix socket's peer
+        return None
+    if any(ip in ipaddress.ip_network(p, strict=False) for p in proxies):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class _RefusalLog:
+    """At most one line per budget every :data:`LOG_EVERY_S`, with the count since the last."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, budget: str, peer: str, now: float) -> None:
+        at, count = self._last.get(budget, (-LOG_EVERY_S, 0))
+        if now - at < LOG_EVERY_S:
+            self._last[budget] = (at, count + 1)
+            return
+        self._last[budget] = (now, 0)
+        log.warning(
+            "HTTP connection %s over its %s budget: closed (%d more since the last such line)",
+            peer,
+            budget,
+            count,
+        )
+
+
+def budgeted_http(
+    base: type[HttpToolsProtocol], limits: HttpLimits, overload: OverloadManager | None, proxies: list[str]
+) -> type[HttpToolsProtocol]:
+    """``base`` with the request budgets of ``limits`` and the overload manager's shedding."""
+    addresses = AddressBuckets(limits.address_requests_per_s, limits.burst_s)
+    refused_log = _RefusalLog()
+    per_address = limits.address_requests_per_s > 0
+    per_connection = limits.requests_per_s > 0
+
+    class Protocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            now = time.monotonic()
+            self._budget = Bucket(limits.requests_per_s, limits.burst_s, now) if per_connection else None
+            self._address = address_key(self.client, proxies) if per_address else None
+            self._refused = False
+            if self._address is not None and addresses.spent(self._address, now):
+                self._refuse("http_address_requests_per_s", None)  # before anything is read
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            if self._refused:
+                raise _Stop
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            if self._refused:
+                raise _Stop
+            if not self.parser.should_upgrade():
+                why = self._charge()
+                if why is not None:
+                    self._refuse(*why)
+                    raise _Stop  # the parser stops: the rest of the read is never parsed
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if self._refused:
+                raise _Stop
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if self._refused:
+                raise _Stop
+            super().on_message_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._refused:  # else the parser failed because we stopped it
+                super().send_400_response(msg)
+
+        def _charge(self) -> tuple[str, bytes | None] | None:
+            """The budget this request goes over and the answer to it, or None: serve it."""
+            if len(self.pipeline) >= limits.pipeline_depth:
+                return "http_pipeline_depth", None  # an earlier response is still due
+            now = time.monotonic()
+            if self._budget is not None and not self._budget.take(now):
+                return "http_requests_per_s", _TOO_MANY
+            if self._address is not None and not addresses.take(self._address, now):
+                return "http_address_requests_per_s", _TOO_MANY
+            if overload is not None and not overload.admit_request(
+                self.url.partition(b"?")[0], self._address
+            ):
+                return "", _UNAVAILABLE  # shed: counted by the overload manager
+            return None
+
+        def _refuse(self, budget: str, answer: bytes | None) -> None:
+            """Answer (where no earlier response is due) and close; the rest is never parsed."""
+            self._refused = True
+            self.logger = _QUIET  # uvicorn's "Invalid HTTP request" when the parser stops
+            transport = self.transport
+            if transport.is_closing():
+                return
+            if answer is not None and (self.cycle is None or self.cycle.response_complete):
+                transport.write(answer)
+            transport.close()
+            if budget:
+                over_budget(budget)
+                peer = "{}:{}".format(*self.client) if self.client else "?"
+                refused_log(budget, peer, time.monotonic())
+
+    return Protocol

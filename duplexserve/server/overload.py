@@ -1,0 +1,182 @@
+"""The loop protects itself: measure how late it runs, and shed what is not live audio first.
+
+Every session's frames go through one event loop thread, and the engine thread needs that
+thread's GIL back after each of its hand-offs (engine_bridge/process_engine.py). A
+loop kept busy by work no live session needs (HTTP requests, new sessions, large JSON
+events) makes every session's frames late at once. In the spirit of Envoy's overload
+manager, two resources are watched and one action taken:
+
+- the loop's lag: a timer due every :data:`PROBE_S` seconds, and how late it runs;
+- the engine thread's GIL wait: how long its latest hand-offs waited for the GIL after the
+  engine had answered (``EngineBridge.counts.gil_wait_max_s``, reset at each probe).
+
+Past either threshold (:class:`Thresholds`) the server is *overloaded* until both have been
+under half of theirs for ``calm_s``. While overloaded it sheds, cheapest to refuse first:
+new HTTP requests (503, the connection closed) but for a small reserve of probes
+(``/health``, ``/ready``, ``/metrics``), then new sessions (refused 1013, or 503 with
+``--refuse-with-http-503``, before any work). Live sessions are never shed. Outside
+overload, a global ceiling on HTTP requests a second bounds the parse work all connections
+together may ask of the loop. Everything shed is counted
+(``duplexserve_overload_shed_total{work}``); docs/reliability.md lists it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from duplexserve.server.token_buckets import AddressBuckets, Bucket
+
+#: How often the loop's lag is probed (a timer due this often; its lateness is the lag).
+PROBE_S = 0.05
+#: HTTP paths that answer probes (a load balancer's, Prometheus'): served from the reserve.
+PROBES = frozenset({b"/health", b"/ready", b"/metrics"})
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+#: What is shed, for the counter's label (the order it is shed in, cheapest first).
+SHED_WORK = ("http_request", "session")
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When the server counts as overloaded, and what it still lets through then."""
+
+    loop_lag_s: float = 0.04  # half a frame: a frame on time still has the other half
+    gil_wait_s: float = 0.02  # a quarter frame of hand-off waits in one probe period
+    calm_s: float = 1.0  # overloaded until this long under half of both thresholds
+    probe_reserve_per_s: float = 50.0  # probes served a second while overloaded, in all ...
+    address_probes_per_s: float = 2.0  # ... and to one address (a flood of /health is no probe)
+    http_requests_per_s: float = 1000.0  # the global ceiling on HTTP requests (0: none)
+
+
+class OverloadManager:
+    """Watches the loop's lag and the engine thread's GIL wait; says what to shed."""
+
+    def __init__(self, thresholds: Thresholds, gil_wait: Callable[[], float]) -> None:
+        self.thresholds = thresholds
+        self._gil_wait = gil_wait  # the largest hand-off wait since the last call, then reset
+        now = time.monotonic()
+        self._probes = Bucket(thresholds.probe_reserve_per_s, 1.0, now)
+        self._address_probes = AddressBuckets(thresholds.address_probes_per_s, 2.0)
+        rate = thresholds.http_requests_per_s
+        self._requests = Bucket(rate, 1.0, now) if rate > 0 else None
+        self.overloaded = False
+        self.lag_s = 0.0  # the latest probe's
+        self.gil_s = 0.0  # the latest probe period's largest hand-off wait
+        self.episodes = 0  # times the server became overloaded
+        self.overloaded_s = 0.0  # time spent overloaded, in whole probe periods
+        self.shed: Counter[str] = Counter()
+        self.lag_buckets = [0] * (len(LAG_BUCKETS) + 1)
+        self.lag_sum = 0.0
+        self._calm_since: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+
+    # ------------------------------------------------------------------ probing
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._due = loop.time() + PROBE_S
+        self._timer = loop.call_at(self._due, self._probe)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self.observe(now - self._due, self._gil_wait(), now)
+        self._due = now + PROBE_S
+        self._timer = loop.call_at(self._due, self._probe)
+
+    def observe(self, lag_s: float, gil_s: float, now: float) -> None:
+        """One probe: the timer ran ``lag_s`` late, the engine's hand-offs waited ``gil_s``."""
+        self.lag_s, self.gil_s = lag_s, gil_s
+        self.lag_sum += lag_s
+        i = 0
+        while i < len(LAG_BUCKETS) and lag_s > LAG_BUCKETS[i]:
+            i += 1
+        self.lag_buckets[i] += 1
+        th = self.thresholds
+        if lag_s > th.loop_lag_s or gil_s > th.gil_wait_s:
+            if not self.overloaded:
+                self.overloaded = True
+                self.episodes += 1
+            self._calm_since = None
+        elif self.overloaded:
+            if lag_s > th.loop_lag_s / 2 or gil_s > th.gil_wait_s / 2:
+                self._calm_since = None
+            elif self._calm_since is None:
+                self._calm_since = now
+            elif now - self._calm_since >= th.calm_s:
+                self.overloaded = False
+        if self.overloaded:
+            self.overloaded_s += PROBE_S
+
+    # ------------------------------------------------------------------ shedding
+    def admit_request(self, path: bytes, address: str | None) -> bool:
+        """Whether to serve an HTTP request for ``path`` (its query cut off) from ``address``
+        (None: a trusted proxy's, or unknown); False: shed it."""
+        now = time.monotonic()
+        requests = self._requests
+        if not self.overloaded and (requests is None or requests.take(now)):
+            return True
+        if (
+            path in PROBES
+            and (address is None or self._address_probes.take(address, now))
+            and self._probes.take(now)
+        ):
+            return True
+        self.shed["http_request"] += 1
+        return False
+
+    def admit_session(self) -> bool:
+        """Whether a new session may start now; False: refuse it (1013) before any work."""
+        if self.overloaded:
+            self.shed["session"] += 1
+            return False
+        return True
+
+
+class OverloadCollector(Collector):
+    def __init__(self, manager: OverloadManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        m = self.manager
+        yield GaugeMetricFamily(
+            "duplexserve_overloaded",
+            "1 while the server sheds work that is not live audio",
+            int(m.overloaded),
+        )
+        yield GaugeMetricFamily("duplexserve_loop_lag_seconds_last", "the latest probe's loop lag", m.lag_s)
+        cumulative, total = [], 0
+        for count in m.lag_buckets:
+            total += count
+            cumulative.append(total)
+        bounds = [*(str(b) for b in LAG_BUCKETS), "+Inf"]
+        yield HistogramMetricFamily(
+            "duplexserve_loop_lag_seconds",
+            f"how late a timer due every {PROBE_S} s ran on the event loop",
+            buckets=list(zip(bounds, cumulative, strict=True)), sum_value=m.lag_sum,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "duplexserve_overload_episodes", "times the server became overloaded", value=m.episodes
+        )
+        yield CounterMetricFamily(
+            "duplexserve_overload_seconds", "time spent overloaded", value=m.overloaded_s
+        )
+        shed = CounterMetricFamily(
+            "duplexserve_overload_shed",
+            "work refused while overloaded or over the HTTP ceiling",
+            labels=["work"],
+        )
+        for work in SHED_WORK:
+            shed.add_metric([work], m.shed[work])
+        yield shed
