@@ -219,31 +219,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-#: uvicorn's INFO lines for every WebSocket (its handshake's outcome, "connection open" and
-#: "closed"): a client reconnecting without a key wrote 2-3 lines a try, 1.4 MB in 10 s.
-PER_CONNECTION_LINES = frozenset(
-    {'%s - "WebSocket %s" [accepted]', '%s - "WebSocket %s" 403', '%s - "WebSocket %s" %d', "connection open"}
-)
-
-
-def per_connection_line(record: logging.LogRecord) -> bool:
-    """False for uvicorn's per-connection lines below WARNING (a filter of ``uvicorn.error``)."""
-    return record.levelno >= logging.WARNING or record.msg not in PER_CONNECTION_LINES
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (not yet listening) before the model loads, so a busy port is
-    said at once rather than after the load; an OSError where it cannot be bound."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own, for a restart
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def serve(config: ServerConfig, sock: socket.socket) -> None:
     """Serve ``config`` on ``sock``, bound by :func:`listen_socket`."""
     log_redaction.install()  # the root's handler; uvicorn's come with its config
