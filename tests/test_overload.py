@@ -97,9 +97,10 @@ def test_a_pipelining_flood_is_cut_and_honest_frames_stay_on_time(server_factory
         for b in ("http_requests_per_s", "http_pipeline_depth", "http_address_requests_per_s")
     )
     assert cut >= flood.connects / 2
-    print(f"honest latest frame {late:.3f} s, baseline {baseline:.3f} s; {flood.connects} flood connections")
+    print(f"honest latest frame {late:.3f} s, baseline {baseline:.3f} s; {flood.connects} connections")
     assert health.status_code == 200
-    assert late < max(3 * baseline, baseline + 0.25), f"honest frames {late:.3f} s late, baseline {baseline:.3f}"
+    within = max(3 * baseline, baseline + 0.25)
+    assert late < within, f"honest frames {late:.3f} s late, baseline {baseline:.3f} s"
     assert "over its http_" in server.log()  # said, at most a line per budget every 10 s
     assert server.log().count("over its http_") <= 3
 

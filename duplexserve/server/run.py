@@ -206,6 +206,18 @@ def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> u
 QUIET_BELOW_DEBUG = ("aioice", "aiortc")
 
 
+#: uvicorn's INFO lines for every WebSocket (its handshake's outcome, "connection open" and
+#: "closed"): a client reconnecting without a key wrote 2-3 lines a try, 1.4 MB in 10 s.
+PER_CONNECTION_LINES = frozenset(
+    {'%s - "WebSocket %s" [accepted]', '%s - "WebSocket %s" 403', '%s - "WebSocket %s" %d', "connection open"}
+)
+
+
+def per_connection_line(record: logging.LogRecord) -> bool:
+    """False for uvicorn's per-connection lines below WARNING (a filter of ``uvicorn.error``)."""
+    return record.levelno >= logging.WARNING or record.msg not in PER_CONNECTION_LINES
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound (not yet listening) before the model loads, so a busy port is
     said at once rather than after the load; an OSError where it cannot be bound."""
