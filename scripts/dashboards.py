@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the Grafana dashboard of a duplexserve fleet, or check that the file is current.
 
-One source for the panels: the JSON in deploy/kubernetes/base/dashboard/ (a ConfigMap there,
+One source for the panels: the JSON in deploy/kubernetes/gateway/dashboard/ (a ConfigMap there,
 labelled grafana_dashboard: "1", and docker compose's monitoring profile) is generated here.
 tests/test_dashboards.py runs every panel's query against a real Prometheus scraping a real
 server, so a query naming a metric the server does not export fails CI.
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parent.parent / "deploy/kubernetes/base/dashboard/duplexserve.json"
+OUT = Path(__file__).resolve().parent.parent / "deploy/kubernetes/gateway/dashboard/duplexserve.json"
 
 #: Every series is filtered to the chosen namespaces (one overlay, one model, per namespace).
 NS = 'namespace=~"$namespace"'

@@ -44,7 +44,7 @@ from tests.docker_images import (
     sh,
     wait_for,
 )
-from tests.test_kubernetes import KUBE, RESERVE_S, one, render
+from tests.test_kubernetes import KUBE, RESERVE_S, container_env, one, render
 from tests.test_nginx import FAIL_TIMEOUT_WAIT_S, Live, refused_status
 
 # The first test also waits for the builds (2 min idle, 6 under load): a generous limit.
@@ -125,7 +125,7 @@ def run_args(pod: dict[str, Any], container: dict[str, Any], image: str, tmp: Pa
     args += ["--memory", str(quantity(container["resources"]["limits"]["memory"]))]
     args += [a for p in container["ports"] for a in ("--publish", f"127.0.0.1::{p['containerPort']}")]
 
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = container_env(container)
     env = {k: v for k, v in env.items() if not k.startswith(MOSHI_PREFIX)} | CPU_ENV
     args += [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
     # command replaces the image's ENTRYPOINT, args its CMD.
@@ -227,7 +227,7 @@ def test_pod_spec_runs_in_the_cpu_image_probes_and_drains_as_the_kubelet_would(c
         assert writable == {"/": False, "/opt": False, **mounts}, status
 
         async def rollout() -> float:
-            url = f"ws://{http}/v1/duplex"
+            url = f"ws://{http}/v1/duplex?token={container_env(container)['DUPLEXSERVE_API_KEYS']}"
             live = await Live.open(url)
             await live.exchange(3)
             # Full (2 slots): readiness fails, out of the Service's endpoints; alive all the same.

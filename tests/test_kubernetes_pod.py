@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVER_PYTHON, free_port
-from tests.test_kubernetes import KUBE, ROOT, one, render
+from tests.test_kubernetes import KUBE, ROOT, container_env, one, render
 from tests.test_nginx import Live, refused_status
 
 #: The spec's engine settings, replaced: no GPU and no checkpoint here.
@@ -45,12 +45,11 @@ def start_container(container: dict[str, Any], tmp: Path) -> tuple[subprocess.Po
     for folder in mounts.values():
         folder.mkdir()
     env = {}
-    for var in container["env"]:
-        value = var["value"]
+    for name, value in container_env(container).items():
         for path, folder in mounts.items():
             if value == path or value.startswith(path + "/"):
                 value = str(folder) + value[len(path):]
-        env[var["name"]] = value
+        env[name] = value
     env = {k: v for k, v in env.items() if not k.startswith("DUPLEXSERVE_MOSHI_")}
     env.update(CPU_ENGINE, DUPLEXSERVE_HOST="127.0.0.1", DUPLEXSERVE_PORT=str(port))
     # `duplexserve` on PATH is this checkout's, run by the tests' server Python.
@@ -86,7 +85,7 @@ def test_pod_starts_probes_and_drains_as_its_spec_says(tmp_path) -> None:
         assert probe(port, container["readinessProbe"]) and probe(port, container["livenessProbe"])
 
         async def rollout() -> None:
-            url = f"ws://127.0.0.1:{port}/v1/duplex"
+            url = f"ws://127.0.0.1:{port}/v1/duplex?token={container_env(container)['DUPLEXSERVE_API_KEYS']}"
             live = await Live.open(url)
             await live.exchange(3)
             # Full (2 slots): not ready, so out of the Service's endpoints, yet alive.
