@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tests.conftest import ServerProcess, free_port
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 SHIPPED_CONF = Path(__file__).resolve().parent.parent / "docker" / "nginx" / "duplexserve.conf"
+TLS_CONF = SHIPPED_CONF.with_name("tls.conf")
 FRAME_BYTES = 1920 * 4
 REPLICA = ("--refuse-with-http-503",)
 #: How long to wait for nginx to try again a replica that said 503 (``max_fails=1
@@ -40,10 +42,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def nginx_conf(tmp: Path, listen: int, upstreams: list[int]) -> Path:
+@dataclass(frozen=True)
+class TLS:
+    """docker/nginx/tls.conf's listener on loopback: its port and certificate files."""
+
+    port: int
+    cert: Path
+    key: Path
+
+
+def nginx_conf(tmp: Path, listen: int, upstreams: list[int], tls: TLS | None = None) -> Path:
     """The shipped site config (or the one SHIPPED_CONF names) on loopback ports, inside a
     minimal main config of our own: replica i (``duplexserve``, ``duplexserve-i``) on
-    ``upstreams[i]``, in the pool and in its own upstream (the one a resume goes to)."""
+    ``upstreams[i]``, in the pool and in its own upstream (the one a resume goes to). With
+    ``tls``, docker/nginx/tls.conf too, on ``tls.port`` with ``tls``'s certificate."""
     site = SHIPPED_CONF.read_text()
     for index, port in enumerate(upstreams):
         name = "duplexserve" if index == 0 else f"duplexserve-{index}"
@@ -53,6 +65,15 @@ def nginx_conf(tmp: Path, listen: int, upstreams: list[int]) -> Path:
     assert site.count("listen 8080;") == 1
     site = site.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
     (tmp / "duplexserve.conf").write_text(site)
+    if tls is not None:
+        front = TLS_CONF.read_text()
+        for shipped, here in (("listen 8443 ssl;", f"listen 127.0.0.1:{tls.port} ssl;"),
+                              ("/etc/nginx/tls/tls.crt", str(tls.cert)),
+                              ("/etc/nginx/tls/tls.key", str(tls.key)),
+                              ("http://127.0.0.1:8080;", f"http://127.0.0.1:{listen};")):
+            assert front.count(shipped) == 1, f"{TLS_CONF}: no single {shipped!r}"
+            front = front.replace(shipped, here)
+        (tmp / "tls.conf").write_text(front)
     user = "user root;" if os.geteuid() == 0 else ""  # workers must reach the 0700 tmp dir
     main = f"""
 {user}
@@ -70,6 +91,7 @@ http {{
     uwsgi_temp_path {tmp}/uwsgi;
     scgi_temp_path {tmp}/scgi;
     include {tmp}/duplexserve.conf;
+    {f"include {tmp}/tls.conf;" if tls else ""}
 }}
 """
     path = tmp / "nginx.conf"
@@ -78,12 +100,13 @@ http {{
 
 
 @contextlib.contextmanager
-def nginx_in_front(tmp: Path, *replicas: ServerProcess) -> Iterator[str]:
-    """Start nginx before the replicas, in order; yields its ws:// base address."""
+def nginx_in_front(tmp: Path, *replicas: ServerProcess, tls: TLS | None = None) -> Iterator[str]:
+    """Start nginx before the replicas, in order; yields its ws:// base address (wss:// on
+    the TLS listener with ``tls``)."""
     tmp = tmp / "nginx"
     tmp.mkdir()
     port = free_port()
-    conf = nginx_conf(tmp, port, [r.port for r in replicas])
+    conf = nginx_conf(tmp, port, [r.port for r in replicas], tls)
     with open(tmp / "stderr.log", "wb") as log:
         proc = subprocess.Popen([NGINX, "-p", str(tmp), "-c", str(conf), "-e", str(tmp / "error.log")],
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -98,7 +121,7 @@ def nginx_in_front(tmp: Path, *replicas: ServerProcess) -> Iterator[str]:
                     break
             assert time.monotonic() < deadline, "nginx did not start"
             time.sleep(0.1)
-        yield f"ws://127.0.0.1:{port}/v1/duplex"
+        yield f"wss://127.0.0.1:{tls.port}/v1/duplex" if tls else f"ws://127.0.0.1:{port}/v1/duplex"
     finally:
         proc.terminate()
         try:
