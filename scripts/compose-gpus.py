@@ -71,7 +71,8 @@ def compose_override(gpus: list[str], cpu: bool, site: Path) -> dict[str, Any]:
         else:
             services[replica_name(index)] = replica(index, gpu, cpu)
     services["lb"] = {
-        "volumes": [f"{site.resolve()}:/etc/nginx/conf.d/default.conf:ro"],
+        # Relative to docker/, where compose resolves the paths of every file: no host path in it.
+        "volumes": [f"./{os.path.relpath(site.resolve(), DOCKER)}:/etc/nginx/conf.d/default.conf:ro"],
         "depends_on": {replica_name(i): {"condition": "service_healthy"} for i in range(len(gpus))},
     }
     return {"services": services}
