@@ -10,6 +10,7 @@ another, a draining replica finishes its calls while the other three take the ne
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets.asyncio.client
 import yaml
 
 from tests import test_nginx
+from tests.resume_client import ResumingClient
 from tests.test_kubernetes import require_tool
 from tests.test_nginx import NGINX, REPLICA, Live, nginx_in_front, refused_status, sessions
 
@@ -170,3 +173,46 @@ async def wait_draining(server) -> None:
             return
         assert time.monotonic() < deadline, "never started draining"
         await asyncio.sleep(0.1)
+
+
+@pytest.mark.skipif(not os.path.exists(NGINX), reason=f"nginx not installed at {NGINX}")
+def test_several_models_behind_one_nginx(server_factory, tmp_path, monkeypatch) -> None:
+    """--models: four servers, two models, one nginx. ?model= goes to that model's replicas, no
+    ?model= to the first model's, an unknown one is refused by them (model_not_found), and a
+    resume still reaches its replica."""
+    models = ["hibiki-zero-3b", "moshi-7b", "hibiki-zero-3b", "moshi-7b"]
+    servers = [server_factory("--max-sessions", "4", "--model", m, "--replica-id", f"duplexserve-{i}"
+                              if i else "duplexserve", *REPLICA) for i, m in enumerate(models)]
+    spec = ",".join(f"{m}=kyutai/{m};DUPLEXSERVE_MOSHI_KV_DTYPE=int8" for m in models)
+    assert generate(tmp_path / "gpus", "0,1,2,3", "--cpu", "--models", spec).returncode == 0
+    services = yaml.safe_load((tmp_path / "gpus" / "compose.yaml").read_text())["services"]
+    assert [services[n]["environment"]["DUPLEXSERVE_MODEL"] for n in list(services)[:4]] == models
+    assert services["duplexserve-3"]["environment"]["DUPLEXSERVE_MOSHI_HF_REPO"] == "kyutai/moshi-7b"
+    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", tmp_path / "gpus" / "duplexserve.conf")
+
+    async def main(url: str) -> None:
+        live = [await Live.open(f"{url}?model={m}") for m in ["moshi-7b"] * 4 + ["hibiki-zero-3b"] * 2]
+        live += [await Live.open(url) for _ in range(2)]  # no model: the first one's
+        assert [sessions(s) for s in servers] == [2, 2, 2, 2]
+        assert {s.created["model"] for s in live[:4]} == {"moshi-7b"}
+        assert {s.created["model"] for s in live[4:]} == {"hibiki-zero-3b"}
+        async with websockets.asyncio.client.connect(f"{url}?model=moshika-7b") as ws:
+            refused = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+        assert refused["code"] == "model_not_found" and ws.close_code == 1008
+        client = ResumingClient(f"{url}", [b"\0" * 7680] * 4)
+        client.query = "model=moshi-7b"
+        await client.open()
+        await client.send(2)
+        await client.wait_frames(2)
+        client.drop()
+        assert (await client.resume())["type"] == "session.resumed"
+        await client.send(4)
+        await client.finish()
+        assert len(client.frames) == 4
+        for s in live:
+            await s.finish()
+
+    with nginx_in_front(tmp_path, *servers) as url:
+        asyncio.run(main(url))
