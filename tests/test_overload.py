@@ -12,62 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
 import time
 
 import httpx
 import websockets.asyncio.client
 import websockets.exceptions
 
+from duplexserve.bench.http_flood import Pipeliner
 from tests import raw_ws
 from tests.test_hostile_transport import KEY, Flood, connect, over_budget, paced_session
-
-PIPELINED = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 32
-
-
-class Pipeliner:
-    """Keep-alive connections from ``source`` pipelining ``GET /health`` 32 a write, each
-    reconnected as soon as the server closes it, until ``stop``."""
-
-    def __init__(self, port: int, source: str, connections: int = 2) -> None:
-        self.port, self.source = port, source
-        self.connects = self.requests = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(connections)]
-
-    def __enter__(self) -> Pipeliner:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            sock = socket.socket()
-            try:
-                sock.bind((self.source, 0))
-                sock.connect(("127.0.0.1", self.port))
-                self.connects += 1
-                reader = threading.Thread(target=_drain, args=(sock,), daemon=True)
-                reader.start()
-                while not self._stop.is_set():
-                    sock.sendall(PIPELINED)
-                    self.requests += 32
-            except OSError:
-                time.sleep(0.01)  # refused or reset: connect again
-            finally:
-                sock.close()
-
-
-def _drain(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while sock.recv(1 << 16):
-            pass
 
 
 def honest_latest(server) -> float:  # type: ignore[no-untyped-def]
@@ -116,17 +69,17 @@ def test_when_overloaded_new_sessions_and_requests_are_shed_but_probes_served(se
         url = server.ws("/v1/duplex", f"token={KEY}")
         live = asyncio.create_task(paced_session(url, 7))
         await asyncio.sleep(1.0)  # its steps have run: their waits are over the threshold
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(server.http + "/v1/voices?token=" + KEY)).status_code == 503
+            assert (await client.get(server.http + "/health")).status_code == 200
+            metrics = (await client.get(server.http + "/metrics")).text
+        assert "duplexserve_overloaded 1.0" in metrics
         try:
             async with websockets.asyncio.client.connect(url, compression=None) as ws:
                 assert '"server_unavailable"' in await ws.recv()
                 await ws.recv()
         except websockets.exceptions.ConnectionClosed as closed:
             assert closed.rcvd is not None and closed.rcvd.code == 1013
-        async with httpx.AsyncClient() as client:
-            assert (await client.get(server.http + "/v1/voices?token=" + KEY)).status_code == 503
-            assert (await client.get(server.http + "/health")).status_code == 200
-            metrics = (await client.get(server.http + "/metrics")).text
-        assert "duplexserve_overloaded 1.0" in metrics
         await live
 
     asyncio.run(main())

@@ -73,6 +73,10 @@ BENCHMARKS = {
         "webrtc_cost", "WebRTC calls against the WebSocket Opus path: server CPU a frame, real time held"
     ),
     "bridge-cost": Benchmark("bridge_cost", "the engine thread's own CPU a step and a frame, no sockets"),
+    "handoffs": Benchmark(
+        "handoffs", "the engine process's step with the event loop idle and saturated: wall time, GIL waits"
+    ),
+    "http-flood": Benchmark("http_flood", "keep-alive connections pipelining GET /health beside a run"),
 }
 
 

@@ -1,23 +1,23 @@
 """The loop protects itself: measure how late it runs, and shed what is not live audio first.
 
 Every session's frames go through one event loop thread, and the engine thread needs that
-thread's GIL back after each of its hand-offs (engine_bridge/process_engine.py). A
-loop kept busy by work no live session needs (HTTP requests, new sessions, large JSON
-events) makes every session's frames late at once. In the spirit of Envoy's overload
-manager, two resources are watched and one action taken:
+thread's GIL back after each of its hand-offs (engine_bridge/process_engine.py). A loop kept
+busy by work no live session needs (HTTP requests, new sessions, large JSON events) makes
+every session's frames late at once. In the spirit of Envoy's overload manager, two
+resources are watched and one action taken:
 
 - the loop's lag: a timer due every :data:`PROBE_S` seconds, and how late it runs;
 - the engine thread's GIL wait: how long its latest hand-offs waited for the GIL after the
   engine had answered (``EngineBridge.counts.gil_wait_max_s``, reset at each probe).
 
-Past either threshold (:class:`Thresholds`) the server is *overloaded* until both have been
-under half of theirs for ``calm_s``. While overloaded it sheds, cheapest to refuse first:
-new HTTP requests (503, the connection closed) but for a small reserve of probes
-(``/health``, ``/ready``, ``/metrics``), then new sessions (refused 1013, or 503 with
-``--refuse-with-http-503``, before any work). Live sessions are never shed. Outside
-overload, a global ceiling on HTTP requests a second bounds the parse work all connections
-together may ask of the loop. Everything shed is counted
-(``duplexserve_overload_shed_total{work}``); docs/reliability.md lists it all.
+Past either threshold in ``sustain`` probes in a row (:class:`Thresholds`) the server is
+*overloaded*, until both have been under half of theirs for ``calm_s``. While overloaded it
+sheds, cheapest to refuse first: new HTTP requests (503, the connection closed) but for a
+small reserve of probes (``/health``, ``/ready``, ``/metrics``; a few a second to one
+address), then new sessions (refused 1013, or 503 with ``--refuse-with-http-503``, before any
+work). Live sessions are never shed. Outside overload, a global ceiling on HTTP requests a
+second bounds the parse work all connections together may ask of the loop. Everything shed
+is counted (``duplexserve_overload_shed_total{work}``); docs/reliability.md lists it all.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from duplexserve.server.token_buckets import AddressBuckets, Bucket
 PROBE_S = 0.05
 #: HTTP paths that answer probes (a load balancer's, Prometheus'): served from the reserve.
 PROBES = frozenset({b"/health", b"/ready", b"/metrics"})
+#: A step's wait for the GIL stands this long when no step follows (steps come every 80 ms).
+GIL_CARRY_S = 0.2
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 #: What is shed, for the counter's label (the order it is shed in, cheapest first).
 SHED_WORK = ("http_request", "session")
@@ -46,8 +48,11 @@ SHED_WORK = ("http_request", "session")
 class Thresholds:
     """When the server counts as overloaded, and what it still lets through then."""
 
-    loop_lag_s: float = 0.04  # half a frame: a frame on time still has the other half
+    loop_lag_s: float = 0.05  # a frame on time (80 ms) still has most of its period
     gil_wait_s: float = 0.02  # a quarter frame of hand-off waits in one probe period
+    #: Overloaded once this many probes in a row are over a threshold (200 ms): a pause of the
+    #: collector or the host's scheduler is no overload, a flood is.
+    sustain: int = 4
     calm_s: float = 1.0  # overloaded until this long under half of both thresholds
     probe_reserve_per_s: float = 50.0  # probes served a second while overloaded, in all ...
     address_probes_per_s: float = 2.0  # ... and to one address (a flood of /health is no probe)
@@ -74,6 +79,8 @@ class OverloadManager:
         self.lag_buckets = [0] * (len(LAG_BUCKETS) + 1)
         self.lag_sum = 0.0
         self._calm_since: float | None = None
+        self._hot = 0  # probes in a row over a threshold
+        self._gil_at = -GIL_CARRY_S  # when a step's wait was last seen
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0
 
@@ -97,6 +104,10 @@ class OverloadManager:
 
     def observe(self, lag_s: float, gil_s: float, now: float) -> None:
         """One probe: the timer ran ``lag_s`` late, the engine's hand-offs waited ``gil_s``."""
+        if gil_s > 0.0:
+            self._gil_at = now
+        elif now - self._gil_at < GIL_CARRY_S:  # no step since the last probe, the last was recent
+            gil_s = self.gil_s
         self.lag_s, self.gil_s = lag_s, gil_s
         self.lag_sum += lag_s
         i = 0
@@ -105,17 +116,21 @@ class OverloadManager:
         self.lag_buckets[i] += 1
         th = self.thresholds
         if lag_s > th.loop_lag_s or gil_s > th.gil_wait_s:
-            if not self.overloaded:
+            self._hot += 1
+            if not self.overloaded and self._hot >= th.sustain:
                 self.overloaded = True
                 self.episodes += 1
             self._calm_since = None
         elif self.overloaded:
+            self._hot = 0
             if lag_s > th.loop_lag_s / 2 or gil_s > th.gil_wait_s / 2:
                 self._calm_since = None
             elif self._calm_since is None:
                 self._calm_since = now
             elif now - self._calm_since >= th.calm_s:
                 self.overloaded = False
+        else:
+            self._hot = 0
         if self.overloaded:
             self.overloaded_s += PROBE_S
 
