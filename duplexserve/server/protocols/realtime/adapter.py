@@ -129,10 +129,16 @@ class RealtimeConnection(SessionUpdate, ProtocolAdapter):
         config = self.session_config
         if config:
             try:
-                await self.update_session({"session": config}, None)  # runs a prompt it sets
+                refused = await self.update_session({"session": config}, None)  # runs a prompt it sets
             except ClientEventError as exc:
                 self.transport.opened((400, exc.code, f"session: {exc.message}"))
                 self.orch.close(session, exc.code, errors.POLICY)
+                return True
+            if refused is not None:  # its prompt, or the session ended meanwhile: the answer says why
+                close = refused.close_code
+                later = close in (errors.TRY_AGAIN, errors.GOING_AWAY)
+                status = 503 if later else 500 if close == errors.INTERNAL else 400
+                self.transport.opened((status, refused.code, refused.message))
                 return True
         self.transport.opened(None)
         return True

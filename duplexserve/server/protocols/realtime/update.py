@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duplexserve.codecs.formats import FormatError
+from duplexserve.errors import SessionError
 from duplexserve.server.core import prompts
 from duplexserve.server.core.session import State
 from duplexserve.server.protocols.realtime import events as ev
@@ -56,12 +57,13 @@ class SessionUpdate:
     _apply: Any
     run_prompt: Any
 
-    async def update_session(self, event: dict[str, Any], client_event_id: str | None) -> None:
+    async def update_session(self, event: dict[str, Any], client_event_id: str | None) -> SessionError | None:
         """``session.update``, and the model's prompt when it sets one (``session.updated``
-        once the prompt ran; what the client sent after it waits until then)."""
+        once the prompt ran; what the client sent after it waits until then). Returns the
+        refusal that ended the session, if one did."""
         prompt = self._update(event, client_event_id)
         if prompt is None:
-            return
+            return None
         session = self.session
         assert session is not None
         refused = await self.run_prompt(prompt)
@@ -71,10 +73,11 @@ class SessionUpdate:
         if refused is not None:
             session.error(refused)
             if refused.fatal:
-                return
+                return refused
         apply, self._after_prompt = self._after_prompt, None
         if apply is not None:
             self._apply(apply)
+        return None
 
     def _update(self, event: dict[str, Any], client_event_id: str | None) -> dict[str, str] | None:
         """GA nested ``audio.input.format`` and beta flat fields, validated before any change.

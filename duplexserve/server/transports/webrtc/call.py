@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,13 +53,19 @@ LINGER_S = 0.2
 
 class DataChannel:
     """The call's ``oai-events`` data channel: what came in, queued for the reader; what goes
-    out, held until the channel opens."""
+    out, held until the channel opens.
 
-    def __init__(self) -> None:
+    What goes out is bounded as on a WebSocket: aiortc queues it without end for a peer
+    that does not acknowledge it (SCTP), so past ``limit`` bytes not yet acknowledged
+    (``bufferedAmount``) ``overflow`` is called, once."""
+
+    def __init__(self, limit: int = 0, overflow: Callable[[], None] | None = None) -> None:
         self.inbox: asyncio.Queue[bytes | str | None] = asyncio.Queue()
         self.channel: Any = None
         self.unsent: list[str] = []
         self.ended = False
+        self.limit = limit
+        self._overflow = overflow
 
     def attach(self, channel: Any) -> None:
         self.channel = channel
@@ -95,6 +102,9 @@ class DataChannel:
         channel = self.channel
         if channel is not None and channel.readyState == "open":
             channel.send(text)
+            if self._overflow is not None and channel.bufferedAmount > self.limit:
+                overflow, self._overflow = self._overflow, None
+                overflow()
         elif (channel is None or channel.readyState == "connecting") and len(self.unsent) < MAX_UNSENT:
             self.unsent.append(text)
 
@@ -112,7 +122,7 @@ class WebRTCCall:
         self.call_id = call_id
         self._loop = asyncio.get_running_loop()
         self.clock = clock if clock is not None else PlayClock(self._loop)
-        self.events = DataChannel()
+        self.events = DataChannel(config.max_output_event_bytes, self._slow_consumer)
         self.adapter: ProtocolAdapter | None = None
         self._driver: TaskDriver | None = None
         #: The handshake's outcome for the HTTP route: None (the session is open) or
@@ -132,6 +142,14 @@ class WebRTCCall:
         self._playing = False  # on the clock
         self._arrival = 0.0
         self._hung_up = False
+
+    def _slow_consumer(self) -> None:
+        """The peer left ``--max-output-event-bytes`` unacknowledged on the data channel: its
+        session ends ``slow_consumer``, as a WebSocket client's that reads nothing (the adapter
+        counts it and says so once, as the call ends)."""
+        session, adapter = self.session, self.adapter
+        if session is not None and adapter is not None and not session.closed:
+            adapter.orch.close(session, "slow_consumer", errors.POLICY)
 
     @property
     def session(self) -> Session | None:

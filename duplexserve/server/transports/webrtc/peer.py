@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import fractions
+import ipaddress
 import json
 import logging
 from collections.abc import Callable
@@ -115,6 +116,15 @@ def stun_for_browsers(servers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"urls": urls}] if urls else []
 
 
+def relays(servers: list[dict[str, Any]]) -> bool:
+    """Whether ``servers`` name a TURN server (the server's calls may go through a relay)."""
+    return any(
+        url.startswith(("turn:", "turns:"))
+        for server in servers
+        for url in ([server["urls"]] if isinstance(server["urls"], str) else server["urls"])
+    )
+
+
 def restrict_host_addresses(addresses: tuple[str, ...]) -> None:
     """Offer only ``addresses`` as host candidates (every ICE connection of this process).
 
@@ -162,6 +172,48 @@ def candidate_count(sdp: str) -> int:
             fields = line.split()
             seen.add((fields[2].lower(), fields[4], fields[5]) if len(fields) > 5 else line)
     return len(seen)
+
+
+def peer_candidates(sdp: str, peer: str | None, most: int) -> str:
+    """``sdp`` with no more than ``most`` distinct ICE candidates, and with ``peer`` (the
+    address the offer came from over HTTP) only those on that address: the server sends
+    STUN checks to every candidate an offer names, and an offer may name anyone's
+    address and ports. A browser's own address is among its candidates (host, or
+    server-reflexive); where it is not (a proxy in between), its checks still reach the
+    server, which answers them and learns the address from them (peer-reflexive).
+
+    ``a=end-of-candidates`` goes with any candidate dropped, so that ICE waits for those
+    checks instead of failing on an empty list. ``peer`` None: no address filter (a
+    server behind TURN, whose relay lets in only the addresses of the candidates)."""
+    kept: list[str] = []
+    seen: set[tuple[str, ...]] = set()
+    dropped = False
+    own = _address(peer) if peer is not None else None
+    for line in sdp.splitlines():
+        if line.startswith("a=candidate:"):
+            fields = line.split()
+            key = tuple(fields[2:6]) if len(fields) > 5 else (line,)
+            address = _address(fields[4]) if len(fields) > 5 else None
+            foreign = peer is not None and (address is None or address != own)
+            if key not in seen and (foreign or len(seen) >= most):
+                dropped = True
+                continue
+            seen.add(key)
+        kept.append(line)
+    if dropped:
+        kept = [line for line in kept if line != "a=end-of-candidates"]
+    return "\r\n".join(kept) + "\r\n"
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an address, an IPv4-mapped IPv6 one as IPv4; None where it is none (a name)."""
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def _mdns_candidate(line: str) -> bool:
