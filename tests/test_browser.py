@@ -64,6 +64,9 @@ def test_page_and_assets_are_served(echo_server) -> None:
     page = httpx.get(echo_server.http + "/", timeout=5)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert 'src="static/app.js"' in page.text
+    # Its own files only: no inline script, nothing from another origin (a violation is a
+    # console error, which the tests below count).
+    assert "http-equiv=\"Content-Security-Policy\"" in page.text and "default-src 'none'" in page.text
     for name in ("app.js", "worklet.js"):
         asset = httpx.get(f"{echo_server.http}/static/{name}", timeout=5)
         assert asset.status_code == 200
@@ -224,6 +227,11 @@ def call_in_chromium(server: Any, tmp_path: Path) -> None:
         page.on("pageerror", lambda e: logs.append(f"pageerror: {e}"))
         page.goto(server.http + "/")
         assert page.input_value("#transport") == "auto"  # WebRTC first, by default
+        # What the server serves, before any session: GET /v1/models and /ready.
+        page.wait_for_function("s => s.model && s.engine", arg=page.evaluate_handle("window.duplexStats"),
+                               timeout=10_000)
+        assert page.inner_text("#served") == "model synthetic-echo · engine synthetic"
+        assert page.is_enabled("#prebuffer")  # the WebSocket may yet carry it
         page.click("#talk")
         try:
             page.wait_for_function(
@@ -235,6 +243,9 @@ def call_in_chromium(server: Any, tmp_path: Path) -> None:
             pytest.fail(f"no call: {page.evaluate('window.duplexStats')}\n" + "\n".join(logs))
         live = page.evaluate("window.duplexStats")
         assert live["state"] == "live" and live["error"] is None, live
+        assert live["engine"] == "synthetic", live  # the engine, as over the WebSocket
+        assert page.inner_text("#session").endswith(" · engine synthetic · model synthetic-echo")
+        assert page.is_disabled("#prebuffer")  # the WebSocket's jitter buffer: not this call's
         assert page.inner_text("#rtt-label") == "network round trip, ms"  # ICE's: the network alone
         assert live["iceRemote"].startswith("127.0.0.1:"), live  # the only candidate the server has
         assert live["iceLocal"].startswith("127.0.0.1:"), live  # the only address in the namespace
@@ -261,6 +272,41 @@ def call_in_chromium(server: Any, tmp_path: Path) -> None:
             timeout=15_000,
         )
         assert page.evaluate("window.duplexStats.closeReason") == "hung up"
+        assert page.inner_text("#closed") == "last session: hung up"  # a line of its own
+        assert page.is_enabled("#prebuffer")
+
+
+@needs_chromium
+def test_talk_page_ends_a_webrtc_call_when_the_server_ends_its_session(server_factory, tmp_path) -> None:
+    """Every way a session ends ends its call: here the server's time limit. Before: the page
+    stayed live (red Stop, frame counters climbing) after ``session.closed``."""
+    pytest.importorskip("aiortc")
+    with loopback_only():
+        server = server_factory("--max-sessions", "2", "--ice-host-addresses", "127.0.0.1",
+                                "--max-session-s", "3")
+        with chromium_with_fake_mic(tmp_path, *LOOPBACK_ICE) as browser:
+            page = browser.new_page()
+            page.goto(server.http + "/?transport=webrtc")
+            page.click("#talk")
+            until(page, "s => s.state === 'live' || s.error", 30_000)
+            assert page.evaluate("window.duplexStats.transport") == "webrtc"
+            until(page, "s => s.state === 'idle'", 15_000)
+            ended = page.evaluate("window.duplexStats")
+            assert ended["closeReason"] == "max_duration", ended
+            assert page.inner_text("#error") == "The session reached the server's time limit."
+            assert page.inner_text("#talk") == "Start talking"
+            sent = ended["framesSent"]
+            page.wait_for_timeout(1000)
+            assert page.evaluate("window.duplexStats.framesSent") == sent  # the microphone is off
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "duplexserve_webrtc_calls_active 0.0" not in metrics(server):
+            time.sleep(0.2)
+        assert "duplexserve_webrtc_calls_active 0.0" in metrics(server)
+
+
+def until(page: Any, predicate: str, timeout_ms: int) -> None:
+    """Wait until ``predicate`` holds of the page's ``window.duplexStats``."""
+    page.wait_for_function(predicate, arg=page.evaluate_handle("window.duplexStats"), timeout=timeout_ms)
 
 
 def metrics(server: Any) -> str:
@@ -347,6 +393,8 @@ def test_talk_page_offers_the_voices_and_a_persona_and_sends_them(personaplex_ch
             page.wait_for_selector("#persona:not([hidden])", timeout=15_000)
             options = page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)")
             assert options == ["", "voice.pt", "voice.wav"]
+            labels = page.eval_on_selector_all("#voice option", "os => os.map(o => o.textContent)")
+            assert labels == ["the model's own", "voice (pt)", "voice (wav)"]  # names, not files
             page.select_option("#voice", "voice.pt")
             page.fill("#prompt", "hello duplex")
             fits(page)
@@ -362,12 +410,17 @@ def test_talk_page_offers_the_voices_and_a_persona_and_sends_them(personaplex_ch
                 page.click("#talk")
                 page.wait_for_function("s => s.state === 'idle'",
                                        arg=page.evaluate_handle("window.duplexStats"), timeout=15_000)
-            # A prompt the tiny model cannot take: said in a sentence, with the server's reason.
+            # A prompt the tiny model cannot take: said in a sentence, with the server's reason,
+            # on either transport. Before: over WebRTC the call was answered and stayed live.
             page.fill("#prompt", "hello duplex " * 40)
-            page.select_option("#transport", "websocket")
-            page.click("#talk")
-            page.wait_for_selector("#error:not([hidden])", timeout=15_000)
-            assert page.inner_text("#error").startswith("The model cannot take this persona: the prompt is ")
+            for transport in ("websocket", "webrtc"):
+                page.select_option("#transport", transport)
+                page.click("#talk")
+                page.wait_for_selector("#error:not([hidden])", timeout=15_000)
+                refused = page.inner_text("#error")
+                assert refused.startswith("The model cannot take this persona: the prompt is"), refused
+                until(page, "s => s.state === 'idle'", 15_000)
         text = metrics(server)
+    assert "duplexserve_webrtc_calls_active 0.0" in text
     for protocol in ("duplex/1", "webrtc"):
         assert f'duplexserve_prompts_total{{outcome="ran",protocol="{protocol}"}} 1.0' in text, text

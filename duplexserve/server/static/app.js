@@ -34,8 +34,8 @@ const RTT_LABELS = {
 const stats = {
   state: "idle",
   sessionId: null,
-  engine: null,
-  model: null,
+  engine: null, // the server's engine (GET /ready), whatever the transport
+  model: null, // the model it serves (GET /v1/models), then the session's own name for it
   framesSent: 0,
   framesReceived: 0,
   textDeltas: 0,
@@ -112,6 +112,22 @@ function callSession() {
   return session;
 }
 
+// A voice's name as a person reads it: PersonaPlex's NATF2.pt is "Natural female 2", a
+// file of one's own "my voice"; the file's kind is said only where two share a name.
+const VOICE_KINDS = { NAT: "Natural", VAR: "Variety" };
+function voiceStem(id) {
+  return id.replace(/\.[A-Za-z0-9]+$/, "");
+}
+function voiceLabel(id, ids) {
+  const stem = voiceStem(id);
+  const persona = /^(NAT|VAR)([FM])(\d+)$/.exec(stem);
+  const name = persona
+    ? `${VOICE_KINDS[persona[1]]} ${persona[2] === "F" ? "female" : "male"} ${persona[3]}`
+    : stem.replace(/[-_]+/g, " ").trim() || id;
+  const twins = ids.filter((other) => voiceStem(other) === stem).length > 1;
+  return twins ? `${name} (${id.slice(stem.length + 1)})` : name;
+}
+
 // The voices the server holds; a model without prompts lists none, and the page offers none.
 async function loadVoices() {
   const url = new URL("v1/voices", document.baseURI);
@@ -120,7 +136,8 @@ async function loadVoices() {
     const response = await fetch(url);
     if (!response.ok) return;
     const voices = (await response.json()).data || [];
-    for (const { id } of voices) $("voice").add(new Option(id, id));
+    const ids = voices.map((v) => v.id);
+    for (const id of ids) $("voice").add(new Option(voiceLabel(id, ids), id));
     const asked = params.get("voice"); // ?voice=NATF2.pt
     if (voices.some((v) => v.id === asked)) $("voice").value = asked;
     $("prompt").value = params.get("prompt") || "";
@@ -128,6 +145,29 @@ async function loadVoices() {
   } catch (_err) {
     // no voices route: no persona to choose
   }
+}
+
+// What the server serves, shown from the start: its model (GET /v1/models) and engine (GET /ready).
+async function loadServed() {
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  try {
+    const models = await fetch(new URL("v1/models", document.baseURI), { headers });
+    if (models.ok) stats.model = ((await models.json()).data || [])[0]?.id || stats.model;
+  } catch (_err) {
+    // an older server: the model is named once a session starts
+  }
+  try {
+    const ready = await fetch(new URL("ready", document.baseURI));
+    stats.engine = (await ready.json()).engine || stats.engine;
+  } catch (_err) {
+    // not reachable now: the session says
+  }
+}
+
+// The WebSocket's jitter buffer is the page's; over WebRTC the browser has its own.
+function syncControls() {
+  const overWebRTC = stats.transport === "webrtc" && stats.state !== "idle";
+  $("prebuffer").disabled = $("transport").value === "webrtc" || overWebRTC;
 }
 
 function showRttLabels(transport) {
@@ -144,6 +184,7 @@ function setState(state) {
   button.disabled = state === "connecting" || state === "ending";
   button.textContent = state === "live" ? "Stop" : state === "idle" ? "Start talking" : "…";
   button.classList.toggle("live", state === "live");
+  syncControls();
 }
 
 function showError(message) {
@@ -204,7 +245,7 @@ async function start() {
 // WebRTC: the call carries the microphone and the model's voice; the page only listens in.
 async function startCall() {
   call = await openCall({
-    mic, token, session: callSession(), onEvent: realtimeEvent, timeoutMs: CALL_TIMEOUT_MS,
+    mic, token, session: callSession(), onEvent: realtimeEvent, onEnd: callEnded, timeoutMs: CALL_TIMEOUT_MS,
   });
   stats.transport = "webrtc";
   showRttLabels("webrtc");
@@ -224,14 +265,23 @@ async function startCall() {
 
 function realtimeEvent(msg) {
   if (msg.type === "session.created") {
-    Object.assign(stats, { sessionId: msg.session.id, engine: "realtime", model: msg.session.model });
+    Object.assign(stats, { sessionId: msg.session.id, model: msg.session.model });
   } else if (msg.type === "response.output_audio_transcript.delta") {
     addText(msg.delta);
   } else if (msg.type === "error") {
     showError(humanize(msg.error.code, msg.error.message));
   } else if (msg.type === "session.closed") {
     stats.closeReason = msg.reason;
+    callEnded();
   }
+}
+
+// The server ended the call's session (session.closed), or the call itself went (the data
+// channel closed, ICE failed): the page goes back to idle, saying why.
+function callEnded() {
+  if (!call || stats.state === "idle") return;
+  if (!stats.closeReason) stats.closeReason = "disconnected";
+  teardown();
 }
 
 function micFrame({ frame, peak }) {
@@ -432,11 +482,14 @@ function render() {
   $("sent").textContent = String(stats.framesSent);
   $("received").textContent = String(stats.framesReceived);
   $("tokens").textContent = String(stats.textDeltas);
+  const served = [stats.model && `model ${stats.model}`, stats.engine && `engine ${stats.engine}`];
+  $("served").textContent = served.filter(Boolean).join(" · ");
   $("session").textContent = stats.sessionId
-    ? `${stats.sessionId} · ${stats.engine} · ${stats.model}`
+    ? `session ${stats.sessionId} · engine ${stats.engine} · model ${stats.model}`
     : "no session";
   $("transport-used").textContent = stats.transport || "–";
   $("closed").textContent = stats.closeReason ? `last session: ${stats.closeReason}` : "";
+  $("closed").hidden = !stats.closeReason;
   shownIn = Math.max(stats.inputPeak, shownIn * 0.92);
   shownOut = Math.max(stats.outputPeak, shownOut * 0.92);
   $("mic-level").style.width = `${meterPercent(shownIn)}%`;
@@ -448,6 +501,8 @@ $("talk").addEventListener("click", () => (stats.state === "live" ? stop() : sta
 const asked = params.get("transport"); // ?transport=websocket
 if (["auto", "webrtc", "websocket"].includes(asked)) $("transport").value = asked;
 loadVoices();
+loadServed();
+$("transport").addEventListener("change", syncControls);
 $("prebuffer").addEventListener("change", () => {
   if (player) player.port.postMessage({ prebuffer: prebufferSamples() });
 });

@@ -55,10 +55,11 @@ function refusal(status, body) {
 }
 
 // Opens a call; resolves once session.created came on the data channel, with
-// { pc, channel, remote (MediaStream), location }. onEvent gets every Realtime event.
+// { pc, channel, remote (MediaStream), location }. onEvent gets every Realtime event; onEnd is
+// called when the call goes without the page ending it (the server closed the channel, ICE failed).
 // ``session`` (a Realtime session object, the persona) goes with the offer, as OpenAI's
 // multipart form: the server runs its prompt before the call's first audio.
-export async function openCall({ mic, token, session, onEvent, timeoutMs }) {
+export async function openCall({ mic, token, session, onEvent, onEnd, timeoutMs }) {
   const pc = new RTCPeerConnection({ iceServers: await iceServers(token) });
   const call = { pc, channel: null, remote: null, location: null };
   let timer = null;
@@ -73,8 +74,10 @@ export async function openCall({ mic, token, session, onEvent, timeoutMs }) {
         timeoutMs);
       pc.addEventListener("connectionstatechange", () => {
         if (pc.connectionState === "failed") reject(new Error("ICE failed"));
+        if (["failed", "closed"].includes(pc.connectionState)) onEnd();
       });
     });
+    channel.addEventListener("close", () => onEnd());
     ready.catch(() => {}); // a call given up before it is awaited (refused, the WebSocket instead)
     channel.onmessage = (event) => {
       let msg;
