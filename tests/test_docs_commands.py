@@ -231,6 +231,39 @@ def test_every_relative_link_leads_to_a_file_and_heading_the_repository_has():
     assert not broken, "\n".join(broken)
 
 
+def test_the_readme_makes_the_clients_in_wav_and_names_what_the_setup_needs(tmp_path):
+    """A newcomer had no ``in.wav`` for the ten-line client, met libopus only in a log line,
+    and could not tell which tests skip for want of what ``.ci/run`` installs."""
+    from duplexserve.check.requirements import INSTALL_LIBOPUS
+
+    readme = [b for b in BLOCKS if b.page == "README.md"]
+    client = next(i for i, b in enumerate(readme) if 'src="in.wav"' in b.text)
+    maker = next(b for b in reversed(readme[:client]) if "in.wav" in b.text and not b.not_run)
+    done = subprocess.run(["bash", "-e", "-c", maker.text], cwd=tmp_path, env=block_env(tmp_path),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with wave.open(str(tmp_path / "in.wav")) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getnframes() / w.getframerate()) == (1, 2, 2.0)
+    text = (ROOT / "README.md").read_text()
+    setup, _, tests = text.partition("## Test it")
+    assert INSTALL_LIBOPUS.partition(" (")[0] in " ".join(setup.split())  # as check says it
+    tests = tests.partition("\n## ")[0]
+    named = re.findall(r"`(tests/[\w*]+\.py)`", tests)
+    assert len(named) >= 8 and all(list(ROOT.glob(n)) for n in named), named
+    for package in ("chromium", "nginx", "coturn", "prometheus", "espeak-ng"):
+        assert package in tests.lower() and package in (ROOT / ".ci" / "run").read_text(), package
+
+
+def test_protocols_md_counts_the_protocols_its_table_lists():
+    """It said "all three protocols" above a table of four."""
+    text = (ROOT / "docs" / "protocols.md").read_text()
+    table = text.partition("| path | protocol |")[2].partition("\n\n")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == 4, rows
+    for word in ("two", "three", "five"):
+        assert not re.search(rf"\b(all {word}|{word} protocols)\b", text, flags=re.IGNORECASE), word
+
+
 def test_the_repository_cites_only_files_it_has():
     """The design files the project follows are not in the repository: its docs state what they
     take from them (docs/protocol.md the wire contract, docs/benchmarks.md's Definitions,
