@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make a Debian base image for the Dockerfiles from Debian packages alone: no image
-# registry needed, only a Debian mirror (docs/deploy.md, "Building without an image registry").
+# registry needed, only a Debian mirror (docs/deploy-compose.md, "Building without an image registry").
 #
 #   scripts/docker-base.sh                       duplexserve-base:bookworm (python3, venv)
 #   scripts/docker-base.sh --tag NAME --suite bookworm --mirror URL --include nginx

@@ -2,7 +2,7 @@
 
 Rendering is `kubectl kustomize` (kustomize v5, kubectl 1.27 or later) or a standalone
 `kustomize`. Kubernetes' own kinds are validated against the API schemas of the versions
-docs/deploy.md claims (the `kubernetes-validate` package, strict: unknown fields fail), the
+docs/deploy-kubernetes.md claims (the `kubernetes-validate` package, strict: unknown fields fail), the
 custom kinds against the schemas of their CRDs vendored in deploy/kubernetes/schemas/
 (scripts/vendor-crd-schemas.py; versions in SOURCES.md there).
 """
@@ -25,7 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
-#: The Kubernetes versions docs/deploy.md claims: the oldest and the newest validated.
+#: The Kubernetes versions docs/deploy-kubernetes.md claims: the oldest and the newest validated.
 K8S_VERSIONS = ("1.29.0", "1.35.0")
 #: Custom kinds: validated against deploy/kubernetes/schemas/GROUP/KIND_VERSION.json.
 CUSTOM_GROUPS = ("keda.sh", "gateway.networking.k8s.io", "gateway.envoyproxy.io", "monitoring.coreos.com")

@@ -2,7 +2,7 @@
 
 nginx (Debian's package) runs in the foreground on loopback with docker/nginx/duplexserve.conf,
 its two upstream names replaced by the two servers' ports. The replicas run with
-``--refuse-with-http-503``, as docs/deploy.md tells operators to.
+``--refuse-with-http-503``, as docs/deploy-compose.md tells operators to.
 """
 
 from __future__ import annotations
