@@ -98,6 +98,15 @@ class ServerCollector(Collector):
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):
             yield CounterMetricFamily(f"duplexserve_{name}", help_text, value=value)
+        failures = CounterMetricFamily(
+            "duplexserve_output_failures",
+            "sessions ended with internal_error because their output could not be rendered "
+            "(stage: engine, a text piece; loop, handing the answer to the session)",
+            labels=["stage"],
+        )
+        failures.add_metric(["engine"], bridge.output_failures)
+        failures.add_metric(["loop"], counts.output_failures)
+        yield failures
         ended = CounterMetricFamily(
             "duplexserve_engine_restart_sessions_ended",
             "sessions ended with engine_error because the engine that held their model state failed "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duplexserve import errors
-from duplexserve.engine_bridge.bridge import EngineBridge, StepOutput
+from duplexserve.engine_bridge.bridge import OUTPUT_FAILED, EngineBridge, StepOutput
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.server.core.admission import Admission
 from duplexserve.server.core.readiness import Readiness
@@ -42,6 +43,7 @@ class Counts:
     frames_in: int = 0
     frames_out: int = 0
     frames_dropped: int = 0
+    output_failures: int = 0  # sessions ended because their output could not be handed on
 
 
 class Orchestrator(Admission):
@@ -61,6 +63,8 @@ class Orchestrator(Admission):
         gather: bool = False,
         resume_grace_s: float = 0.0,
         max_detached: int = -1,
+        max_detached_per_client: int = -1,
+        client_ipv6_prefix: int = 64,
         late_frame_ms: float = 200.0,
         replica_id: str = "",
     ) -> None:
@@ -73,6 +77,7 @@ class Orchestrator(Admission):
             max(1, engine.num_slots // 4) if max_sessions_per_client < 0 else max_sessions_per_client
         )
         self._loopback_exempt = max_sessions_per_client < 0
+        self.client_ipv6_prefix = client_ipv6_prefix
         self.max_prompt_bytes = max_prompt_bytes
         self.engine_stall_s = engine_stall_s
         self.engine_factory = engine_factory
@@ -97,6 +102,10 @@ class Orchestrator(Admission):
         self.resume = ResumeRegistry(resume_grace_s, self._expire, replica_id)
         #: Detached sessions kept at most; past it the one detached longest ends.
         self.max_detached = max_detached if max_detached >= 0 else max(1, engine.num_slots // 4)
+        #: Of them, one client's at most; past it its own detached longest ends.
+        self.max_detached_per_client = (
+            max_detached_per_client if max_detached_per_client >= 0 else max(1, self.max_detached // 4)
+        )
         self.turnaround = TurnaroundTotals(late_frame_ms / 1000.0)
         #: Sessions with answers to send, in the order they were touched (:meth:`_on_outputs`).
         self._touched: dict[int, Session] = {}
@@ -207,6 +216,8 @@ class Orchestrator(Admission):
         False (and the session is closed ``disconnected``) when resume is off, the
         session is not resumable or the server is draining; False too when keeping it
         would pass ``max_detached`` with nothing detached before it (``--max-detached 0``).
+        Past its client's ``max_detached_per_client`` that client's own detached longest ends;
+        past ``max_detached``, that of the client holding the most (core/resume.py).
         """
         entry = self.resume.entry_of(session)
         if session.closed:
@@ -216,15 +227,19 @@ class Orchestrator(Admission):
             return False
         assert self._loop is not None
         session.notify = no_notify
-        self.resume.detach(entry, self._loop)
+        client = self._client_of.get(session.slot)
+        self.resume.detach(entry, self._loop, client)
+        if client is not None:
+            while self.resume.detached_by(client) > self.max_detached_per_client:
+                self._evict(self.resume.evict_oldest_of(client))
         while self.resume.detached > self.max_detached:
-            self._evict_oldest_detached()
+            self._evict(self.resume.evict_oldest())
         return not session.closed
 
-    def _evict_oldest_detached(self) -> None:
-        session = self.resume.evict_oldest()
+    def _evict(self, session: Session | None) -> None:
+        """Close ``session``, the detached one chosen to give way (core/resume.py)."""
         if session is not None:
-            log.info("session %s detached longest: evicted (resume_evicted)", session.id)
+            log.info("session %s detached longest of its client: evicted (resume_evicted)", session.id)
             self.close(session, "resume_evicted", errors.GOING_AWAY)
 
     def _expire(self, session: Session) -> None:
@@ -287,13 +302,26 @@ class Orchestrator(Admission):
                 session = by_slot[slot]
                 if session is None or session.generation != generation:
                     continue  # answer to a session that is gone
-                if audio is None:  # text whose frame already went out (vLLM-Omni)
-                    session.deliver_text(text[row])
-                else:
-                    session.deliver(audio[row], text.get(row) if text else None, row in finished)
+                try:
+                    if audio is None:  # text whose frame already went out (vLLM-Omni)
+                        session.deliver_text(text[row])
+                    else:
+                        session.deliver(audio[row], text.get(row) if text else None, row in finished)
+                except Exception:  # this session's answer only: the step's others go on
+                    self.output_failed(session)
                 touched[id(session)] = session
         if not self._notify_pending:
             self._notify()
+
+    def output_failed(self, session: Session) -> None:
+        """Handing ``session`` its answer raised (a bug, a codec gone): it ends alone with
+        ``internal_error`` and its counts, logged once; called from the except block."""
+        log.exception("session %s: its output could not be handed on; it ends (internal_error)", session.id)
+        self.counts.output_failures += 1
+        session.error(errors.SessionError("internal_error", OUTPUT_FAILED, errors.INTERNAL))
+        self._release(session)
+        with contextlib.suppress(Exception):  # what failed may be the wake-up itself
+            session.notify()
 
     def _notify(self) -> None:
         """Let touched sessions send (and take their next frames) for one slice of loop time."""
@@ -302,8 +330,11 @@ class Orchestrator(Admission):
         self._touched = {}
         deadline = time.perf_counter() + DISPATCH_SLICE_S
         for i, session in enumerate(touched, 1):
-            self.pump(session)
-            session.notify()
+            try:
+                self.pump(session)
+                session.notify()
+            except Exception:
+                self.output_failed(session)
             if not i % DISPATCH_CHECK_ROWS and i < len(touched) and time.perf_counter() > deadline:
                 self._touched = {id(s): s for s in touched[i:]}
                 self._notify_pending = True
