@@ -86,7 +86,7 @@ _PROMPT_BUDGET_S = 0.02
 #: Why an engine was restarted: a step raised, its process died, or a step never returned.
 RESTART_CAUSES = ("step_failed", "engine_died", "stalled")
 _STOP = object()
-_RENDER_FAILED = "this session's output could not be rendered; the other sessions go on"
+OUTPUT_FAILED = "this session's output could not be rendered; the other sessions go on"
 
 
 @dataclass(slots=True)
@@ -529,7 +529,7 @@ class EngineBridge:
         self._publish(out)
         for row in result.failed or ():  # after the step's frames: the session's last one goes out
             self.counts.output_failures += 1
-            self._fail_slot(int(slots[row]), int(generations[row]), "internal_error", _RENDER_FAILED)
+            self._fail_slot(int(slots[row]), int(generations[row]), "internal_error", OUTPUT_FAILED)
 
     def _restart(self, cause: str) -> None:
         """Start the engine anew on this thread after it failed (``cause``).
