@@ -293,6 +293,14 @@ class ServerConfig:
         32 << 20, "bytes one WebSocket connection may send a second, --ws-budget-burst-s ahead; past "
         "it the connection is closed 1008 (0: no limit)"
     )
+    ws_max_parse_ms_per_s: float = _opt(
+        25.0, "ms of the event loop's CPU one WebSocket connection may spend a second handling its text "
+        "(JSON) messages, a second of it at once; past it the connection is closed 1008 (0: no limit)"
+    )
+    ws_max_address_parse_ms_per_s: float = _opt(
+        100.0, "the same for all WebSocket connections of one address (not loopback, not a proxy of "
+        "--forwarded-allow-ips; IPv6 by /64) together (0: no limit)"
+    )
     ws_budget_burst_s: float = _opt(
         4.0, "how many seconds of its rate a WebSocket connection may send at once (the buckets' depth)"
     )

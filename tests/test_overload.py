@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections.abc import Callable
 
 import httpx
 import websockets.asyncio.client
@@ -23,12 +25,17 @@ from tests import raw_ws
 from tests.test_hostile_transport import KEY, Flood, connect, over_budget, paced_session
 
 
-def honest_latest(server) -> float:  # type: ignore[no-untyped-def]
-    """Three paced sessions at once: the latest frame of any, in seconds."""
+def honest_latest(server, attack: Callable[[], object] | None = None) -> float:  # type: ignore[no-untyped-def]
+    """Three paced sessions at once, ``attack`` started once they stream: the latest frame
+    of any, in seconds."""
 
     async def main() -> float:
         url = server.ws("/v1/duplex", f"token={KEY}")
-        return max(await asyncio.gather(*(paced_session(url, seed) for seed in (1, 2, 3))))
+        sessions = asyncio.gather(*(paced_session(url, seed) for seed in (1, 2, 3)))
+        if attack is not None:
+            await asyncio.sleep(0.5)
+            attack()
+        return max(await sessions)
 
     return asyncio.run(main())
 
@@ -56,6 +63,25 @@ def test_a_pipelining_flood_is_cut_and_honest_frames_stay_on_time(server_factory
     assert late < within, f"honest frames {late:.3f} s late, baseline {baseline:.3f} s"
     assert "over its http_" in server.log()  # said, at most a line per budget every 10 s
     assert server.log().count("over its http_") <= 3
+
+
+def test_large_json_messages_under_the_byte_budget_are_cut_by_their_parse_time(server_factory):
+    """Four connections sending 0.9 MB JSON messages (each about 10 ms of ``json.loads``) as
+    fast as the server reads them, each under its 32 MiB/s byte budget: each is closed for
+    the loop's time its messages took (``parse_ms_per_s``), and the honest sessions' latest
+    frame stays near the baseline (before: 8 such connections, 73-77 of 125 frames 200 ms late)."""
+    server = server_factory("--api-keys", KEY)
+    baseline = honest_latest(server)
+    message = raw_ws.frame(0x81, json.dumps({"type": "x", "pad": list(range(130_000))}).encode())
+    floods = [Flood(*connect(server, f"/v1/duplex?token={KEY}"), message * 4) for _ in range(4)]
+    late = honest_latest(server, lambda: [flood.start() for flood in floods])
+    for flood in floods:
+        flood.stop(10)
+    assert all(flood.dropped for flood in floods), "a JSON flood was read on"
+    assert over_budget(server, "parse_ms_per_s") == 4
+    assert server.metrics()["duplexserve_text_handling_seconds_total"] > 0.08  # 4 budgets of 25 ms
+    within = max(3 * baseline, baseline + 0.25)
+    assert late < within, f"honest frames {late:.3f} s late, baseline {baseline:.3f} s"
 
 
 def test_when_overloaded_new_sessions_and_requests_are_shed_but_probes_served(server_factory):

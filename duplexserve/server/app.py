@@ -42,6 +42,7 @@ from duplexserve.server.protocols.native import NativeConnection
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
 from duplexserve.server.protocols.twilio.adapter import TwilioConnection
 from duplexserve.server.protocols.twilio.wire import TwilioCollector
+from duplexserve.server.transports.websocket.budgets import ParseLimits, ParseMeter
 from duplexserve.server.transports.websocket.connection import Receive, Scope, Send, WebSocketTransport
 
 #: The protocol each WebSocket path speaks; the transport is the WebSocket (the WebRTC
@@ -107,8 +108,15 @@ class DuplexApp:
         self.webrtc = WebRTCCalls(config, self.orchestrator, self.codec_pool, self.codec_procs)
         self.metrics.registry.register(WebRTCCollector(self.webrtc))
         #: Sheds what is not live audio when the loop runs late (server/overload.py).
+        #: The loop's time handling JSON messages, per connection, per address and in all.
+        self.parse = ParseMeter(
+            ParseLimits(config.ws_max_parse_ms_per_s, config.ws_max_address_parse_ms_per_s),
+            list(auth.parse_list(config.forwarded_allow_ips)),
+        )
         thresholds = Thresholds(config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000)
-        self.overload = OverloadManager(thresholds, lambda: self.orchestrator.bridge.take_gil_wait())
+        self.overload = OverloadManager(
+            thresholds, lambda: self.orchestrator.bridge.take_gil_wait(), self.parse.take_spent
+        )
         self.metrics.registry.register(OverloadCollector(self.overload))
         self.http = self._http_app()
         self.api_keys = auth.parse_list(config.api_keys)

@@ -23,7 +23,6 @@ sessions have budgets of their own (transports/websocket/budgets.py, admission).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.overload import OverloadManager
-from duplexserve.server.token_buckets import AddressBuckets, Bucket
+from duplexserve.server.token_buckets import AddressBuckets, Bucket, address_key
 
 log = logging.getLogger("duplexserve")
 
@@ -64,24 +63,6 @@ class HttpLimits:
     address_requests_per_s: float = 200.0
     pipeline_depth: int = 8
     burst_s: float = 4.0
-
-
-def address_key(client: tuple[str, int] | None, proxies: list[str]) -> str | None:
-    """The address a connection's requests are charged to: the peer's (IPv6 by /64), or
-    None for a trusted proxy (``*`` trusts every peer) or a peer with no address."""
-    if client is None or "*" in proxies:
-        return None
-    try:
-        ip = ipaddress.ip_address(client[0])
-    except ValueError:  # a Unix socket's peer
-        return None
-    if any(ip in ipaddress.ip_network(p, strict=False) for p in proxies):
-        return None
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
 
 
 class _RefusalLog:

@@ -8,10 +8,12 @@ resources are watched and one action taken:
 
 - the loop's lag: a timer due every :data:`PROBE_S` seconds, and how late it runs;
 - the engine thread's GIL wait: how long its latest hand-offs waited for the GIL after the
-  engine had answered (``EngineBridge.counts.gil_wait_max_s``, reset at each probe).
+  engine had answered (``EngineBridge.counts.gil_wait_max_s``, reset at each probe);
+- the loop's time handling WebSocket text messages, all connections together
+  (transports/websocket/budgets.py, ``ParseMeter``): the global ceiling on parse work.
 
-Past either threshold in ``sustain`` probes in a row (:class:`Thresholds`) the server is
-*overloaded*, until both have been under half of theirs for ``calm_s``. While overloaded it
+Past any threshold in ``sustain`` probes in a row (:class:`Thresholds`) the server is
+*overloaded*, until all have been under half of theirs for ``calm_s``. While overloaded it
 sheds, cheapest to refuse first: new HTTP requests (503, the connection closed) but for a
 small reserve of probes (``/health``, ``/ready``, ``/metrics``; a few a second to one
 address), then new sessions (refused 1013, or 503 with ``--refuse-with-http-503``, before any
@@ -50,6 +52,7 @@ class Thresholds:
 
     loop_lag_s: float = 0.05  # a frame on time (80 ms) still has most of its period
     gil_wait_s: float = 0.02  # a quarter frame of hand-off waits in one probe period
+    parse_share: float = 0.4  # of the loop's time, handling text messages in all
     #: Overloaded once this many probes in a row are over a threshold (200 ms): a pause of the
     #: collector or the host's scheduler is no overload, a flood is.
     sustain: int = 4
@@ -62,9 +65,13 @@ class Thresholds:
 class OverloadManager:
     """Watches the loop's lag and the engine thread's GIL wait; says what to shed."""
 
-    def __init__(self, thresholds: Thresholds, gil_wait: Callable[[], float]) -> None:
+    def __init__(
+        self, thresholds: Thresholds, gil_wait: Callable[[], float], parse_work: Callable[[], float]
+    ) -> None:
         self.thresholds = thresholds
         self._gil_wait = gil_wait  # the largest hand-off wait since the last call, then reset
+        self._parse_work = parse_work  # the loop's time handling text messages since the last call
+        self.parse_s = 0.0  # all of it, since the start
         now = time.monotonic()
         self._probes = Bucket(thresholds.probe_reserve_per_s, 1.0, now)
         self._address_probes = AddressBuckets(thresholds.address_probes_per_s, 2.0)
@@ -98,12 +105,15 @@ class OverloadManager:
     def _probe(self) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        self.observe(now - self._due, self._gil_wait(), now)
+        parse_s = self._parse_work()
+        self.parse_s += parse_s
+        self.observe(now - self._due, self._gil_wait(), now, parse_s / (now - self._due + PROBE_S))
         self._due = now + PROBE_S
         self._timer = loop.call_at(self._due, self._probe)
 
-    def observe(self, lag_s: float, gil_s: float, now: float) -> None:
-        """One probe: the timer ran ``lag_s`` late, the engine's hand-offs waited ``gil_s``."""
+    def observe(self, lag_s: float, gil_s: float, now: float, parse_share: float = 0.0) -> None:
+        """One probe: the timer ran ``lag_s`` late, the engine's hand-offs waited ``gil_s``,
+        text messages took ``parse_share`` of the loop's time since the last."""
         if gil_s > 0.0:
             self._gil_at = now
         elif now - self._gil_at < GIL_CARRY_S:  # no step since the last probe, the last was recent
@@ -115,7 +125,7 @@ class OverloadManager:
             i += 1
         self.lag_buckets[i] += 1
         th = self.thresholds
-        if lag_s > th.loop_lag_s or gil_s > th.gil_wait_s:
+        if lag_s > th.loop_lag_s or gil_s > th.gil_wait_s or parse_share > th.parse_share:
             self._hot += 1
             if not self.overloaded and self._hot >= th.sustain:
                 self.overloaded = True
@@ -123,7 +133,7 @@ class OverloadManager:
             self._calm_since = None
         elif self.overloaded:
             self._hot = 0
-            if lag_s > th.loop_lag_s / 2 or gil_s > th.gil_wait_s / 2:
+            if lag_s > th.loop_lag_s / 2 or gil_s > th.gil_wait_s / 2 or parse_share > th.parse_share / 2:
                 self._calm_since = None
             elif self._calm_since is None:
                 self._calm_since = now
@@ -183,6 +193,11 @@ class OverloadCollector(Collector):
         )  # fmt: skip
         yield CounterMetricFamily(
             "duplexserve_overload_episodes", "times the server became overloaded", value=m.episodes
+        )
+        yield CounterMetricFamily(
+            "duplexserve_text_handling_seconds",
+            "the event loop's time handling WebSocket text (JSON) messages, all connections",
+            value=m.parse_s,
         )
         yield CounterMetricFamily(
             "duplexserve_overload_seconds", "time spent overloaded", value=m.overloaded_s

@@ -26,6 +26,7 @@ from duplexserve.server.transports.websocket.budgets import (
     DEFAULT_LIMITS,
     UNLIMITED,
     MeteredProtocol,
+    ParseMeter,
     RateLimits,
     budgeted,
 )
@@ -133,7 +134,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def websocket_protocol(ws: str, limits: RateLimits | None = DEFAULT_LIMITS) -> str | type[MeteredProtocol]:
+def websocket_protocol(
+    ws: str, limits: RateLimits | None = DEFAULT_LIMITS, parse: ParseMeter | None = None
+) -> str | type[MeteredProtocol]:
     """``--ws fast`` where the installed uvicorn and websockets have what the fast path
     reads (checked once, here), else uvicorn's own sans-I/O protocol, said once; that one,
     ``--ws websockets-sansio``, with the same budgets and slices (server/transports/websocket/fallback.py)
@@ -142,7 +145,7 @@ def websocket_protocol(ws: str, limits: RateLimits | None = DEFAULT_LIMITS) -> s
     if ws == "fast":
         problem = fast_path_problem()
         if problem is None:
-            return budgeted(FastWebSocketProtocol, limits or UNLIMITED)
+            return budgeted(FastWebSocketProtocol, limits or UNLIMITED, parse if limits else None)
         log.warning(
             "WebSocket fast path off, serving on uvicorn's websockets-sansio protocol: %s "
             "(the fast path needs uvicorn>=0.53 and websockets>=13; docs/architecture.md)",
@@ -188,7 +191,9 @@ def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> u
         port=config.port,
         loop="uvloop",
         http=http_protocol(config, app) if budgets else handshake_limited(config.handshake_timeout_s),
-        ws=websocket_protocol(config.ws, rate_limits(config) if budgets else None),
+        ws=websocket_protocol(
+            config.ws, rate_limits(config) if budgets else None, getattr(app, "parse", None)
+        ),
         ws_per_message_deflate=False,
         # A hard backstop above our own limit, which answers with an error event first.
         ws_max_size=2 * config.max_message_bytes + 1024,

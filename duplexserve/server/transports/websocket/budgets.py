@@ -15,11 +15,21 @@ server/transports/websocket/fallback.py):
   close frame says which budget), counted (``over_budget``) and logged once; one whose
   close frame was already sent (refused, or closing) is aborted at once: it is not read
   on. Bytes are charged once per read, frames once per slice (the cost per frame is an
-  integer add), and the clock is read only when a bucket runs short.
+  integer add), and the clock is read only when a bucket runs short;
+- the loop's time handling text messages (JSON: a byte of it may cost 50 times another),
+  measured per message on the fast path as the loop thread's CPU time (not inflated when the
+  host preempts it) (:class:`ParseMeter`): a few control events a second
+  and audio as JSON (Realtime's appends, Twilio's media) cost a session a few ms a second, and
+  a connection may spend ``ParseLimits.connection_ms_per_s``, its address (not loopback nor a
+  trusted proxy) ``address_ms_per_s`` over all its connections, each ``burst_s`` ahead; past
+  either it is closed 1008 as above. Eight connections of 1 MB JSON messages, each under the
+  byte budget, saturated the loop (issue 67); what all connections spend together is the
+  overload manager's (server/overload.py), which sheds new work past its ceiling.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 from dataclasses import dataclass
@@ -29,6 +39,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from duplexserve.errors import POLICY
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.token_buckets import AddressBuckets, Bucket, address_key
 
 log = logging.getLogger("duplexserve")
 
@@ -62,6 +73,50 @@ class RateLimits:
     control_frames_per_s: float = 50.0
     bytes_per_s: float = float(32 << 20)
     burst_s: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class ParseLimits:
+    """The loop's time a connection, and an address over all its connections, may spend
+    handling text messages, in ms a second, ``burst_s`` seconds of it at once; 0: no limit."""
+
+    connection_ms_per_s: float = 25.0
+    address_ms_per_s: float = 100.0
+    burst_s: float = 1.0  # a session's largest event (a 16 KiB prompt) costs well under 1 ms
+
+
+class ParseMeter:
+    """The loop's time handling text messages: per connection and per address (buckets of
+    seconds), and in all (``spent_s``, read by the overload manager)."""
+
+    def __init__(self, limits: ParseLimits, proxies: list[str]) -> None:
+        self.limits = limits
+        self._proxies = proxies
+        rate = limits.address_ms_per_s / 1000
+        self._addresses = AddressBuckets(rate, limits.burst_s) if rate > 0 else None
+        self.spent_s = 0.0  # in all, since the start
+        self._taken_s = 0.0
+
+    def take_spent(self) -> float:
+        """Seconds spent in all since the last call."""
+        spent, self._taken_s = self.spent_s - self._taken_s, self.spent_s
+        return spent
+
+    def connection(self, now: float) -> Bucket | None:
+        rate = self.limits.connection_ms_per_s / 1000
+        return Bucket(rate, self.limits.burst_s, now) if rate > 0 else None
+
+    def address(self, client: tuple[str, int] | None) -> str | None:
+        """The address charged for ``client``'s connections: None for loopback (this host: the
+        benchmarks, a proxy beside the server), a trusted proxy, or with no address budget."""
+        key = address_key(client, self._proxies) if self._addresses is not None else None
+        if key is None or ipaddress.ip_network(key, strict=False).is_loopback:
+            return None
+        return key
+
+    def take_address(self, address: str, now: float, seconds: float) -> bool:
+        assert self._addresses is not None
+        return self._addresses.take(address, now, seconds)
 
 
 DEFAULT_LIMITS = RateLimits()
@@ -104,10 +159,13 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
     subclasses call :meth:`_arrived` for each read and :meth:`_spent` after each slice."""
 
     limits = RateLimits()
+    parse: ParseMeter | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.meter = Meter(self.limits, self.loop.time())
+        self._parse_bucket: Bucket | None = None  # made at the first text message
+        self._parse_address: str | None = None
         self._yielding = False  # a slice's continuation is scheduled; reading paused meanwhile
         self._dropping = False  # over a budget: nothing more is read or parsed
         #: The budget this connection went over (its session ends, not resumable), or None.
@@ -129,6 +187,25 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         meter.controls -= controls
         if meter.frames < 0 or meter.controls < 0:
             self._short()
+
+    def _parsed(self, seconds: float) -> None:
+        """Charge the loop's time handling one text message (:class:`ParseMeter`); a
+        connection over its budget or its address's is closed or dropped."""
+        parse = self.parse
+        if parse is None:
+            return
+        parse.spent_s += seconds
+        now = self.loop.time()
+        bucket = self._parse_bucket
+        if bucket is None:
+            bucket = self._parse_bucket = parse.connection(now)
+            self._parse_address = parse.address(self.client)
+            if bucket is None and self._parse_address is None:
+                return
+        if bucket is not None and not bucket.take(now, seconds):
+            self._over("parse_ms_per_s")
+        elif self._parse_address is not None and not parse.take_address(self._parse_address, now, seconds):
+            self._over("address_parse_ms_per_s")
 
     def _short(self) -> bool:
         """A bucket ran short: refill them; False (and closed or dropped) if still short."""
@@ -185,6 +262,8 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         return message
 
 
-def budgeted(cls: type[MeteredProtocol], limits: RateLimits) -> type[MeteredProtocol]:
-    """``cls`` with ``limits`` (uvicorn builds each connection's protocol from the class)."""
-    return type(cls.__name__, (cls,), {"limits": limits, "__module__": cls.__module__})
+def budgeted(
+    cls: type[MeteredProtocol], limits: RateLimits, parse: ParseMeter | None = None
+) -> type[MeteredProtocol]:
+    """``cls`` with ``limits`` and ``parse`` (uvicorn builds each connection's protocol from the class)."""
+    return type(cls.__name__, (cls,), {"limits": limits, "parse": parse, "__module__": cls.__module__})
