@@ -184,7 +184,8 @@ def error_code(response: httpx.Response) -> tuple[int, str | None]:
 
 def test_offers_that_never_connect_free_their_slots_within_the_connect_timeout(server_factory):
     """The finding: offers that never connect held every slot (and a UDP socket each) for
-    30-35 s. Now a call not up after --webrtc-connect-timeout-s ends; its checks stop."""
+    30-35 s. Now a call not up after --webrtc-connect-timeout-s ends. Their candidates are
+    not on the addresses the offers came from (the proxy names others): none is checked."""
     pytest.importorskip("aiortc")
     from tests.test_webrtc import LOOPBACK, speech, with_silence
     from tests.webrtc_client import Peer, best_lag
@@ -193,7 +194,7 @@ def test_offers_that_never_connect_free_their_slots_within_the_connect_timeout(s
                             "2", "--forwarded-allow-ips", "127.0.0.1")  # fmt: skip
     sent = speech(10.0, seed=7)
 
-    async def scenario() -> tuple[Peer, list[tuple[int, str | None]], float, float, list[Sink]]:
+    async def scenario() -> tuple[Peer, list[tuple[int, str | None]], float, list[Sink]]:
         # Made before the honest call: an offer costs this process a peer connection, which
         # would hold up the honest call's paced packets.
         listening, ports, transports = await sinks(5)
@@ -212,7 +213,6 @@ def test_offers_that_never_connect_free_their_slots_within_the_connect_timeout(s
         while (await asyncio.to_thread(server.metrics))["duplexserve_sessions_active"] > 1:
             assert loop.time() < deadline, "the unconnected calls kept their slots"
             await asyncio.sleep(0.1)
-        released = time.monotonic()
         expired = await asyncio.to_thread(over_budget, server, "webrtc_connect")
         fresh = await post_offer(server, offers[0], "198.51.100.1")  # a slot again (its sink: not checked)
         await asyncio.sleep(2.5)
@@ -221,14 +221,12 @@ def test_offers_that_never_connect_free_their_slots_within_the_connect_timeout(s
         for transport in transports:
             transport.close()
         answers = [error_code(again), error_code(full), error_code(fresh)]
-        return honest, answers, released, expired, listening
+        return honest, answers, expired, listening
 
-    honest, answers, released, expired, listening = run(scenario())
+    honest, answers, expired, listening = run(scenario())
     assert answers == [(429, "too_many_sessions"), (503, "server_unavailable"), (201, None)]
     assert expired == 5
-    assert all(sink.arrivals for sink in listening[1:])  # the server did check them, until the end
-    late = [t - released for sink in listening[1:] for t in sink.arrivals if t > released + 1.0]
-    assert late == []  # their peer connections closed: no check after
+    assert not any(sink.arrivals for sink in listening)  # not one STUN packet to them
     assert "error" not in honest.kinds() and "session.closed" not in honest.kinds()
     # Heard from 6 s on, after the attack: answering an offer costs the server's loop about
     # 50 ms (aiortc's set-up, any call's), which six in a row on a loaded machine may make
@@ -267,7 +265,7 @@ def test_an_offer_naming_300_candidates_is_refused_before_any_check(server_facto
     honest, many, fewer, to_many, to_fewer = run(scenario())
     assert error_code(many) == (400, "too_many_candidates")
     assert "300 ICE candidates" in many.json()["error"]["message"]
-    assert fewer.status_code == 201 and to_fewer > 0  # its checks went out, to its own 32
+    assert fewer.status_code == 201 and to_fewer > 0  # its checks went out, to 8 of its own 32
     assert to_many == 0  # nothing to the addresses only the refused offer named
     assert over_budget(server, "webrtc_candidates") == 1
     assert "error" not in honest.kinds()
