@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 SUBPROTOCOL_KEY_PREFIX = "openai-insecure-api-key."
 
@@ -53,11 +53,9 @@ def key_ok(scope: dict[str, Any], query: dict[str, str], allowed: Iterable[str])
 
 def origin_ok(scope: dict[str, Any], allowed: Iterable[str]) -> bool:
     """Whether the page that sent this request may: browsers always send Origin, other
-    clients usually do not and are let through. A page of this server's own host (the
+    clients usually do not and are let through. A page of this server's own origin (the
     talk page) always may, others only when ``--allowed-origins`` names them (or ``*``):
-    without this, any web page a user opens could drive the server from their browser.
-    Same host means the Origin's host name is the Host header's, port and scheme aside, as
-    a proxy in front may pass the host without its port (nginx's ``$host``)."""
+    without this, any web page a user opens could drive the server from their browser."""
     headers = _headers(scope)
     origin = headers.get("origin")
     if origin is None:
@@ -66,7 +64,23 @@ def origin_ok(scope: dict[str, Any], allowed: Iterable[str]) -> bool:
     if origin in allowed or "*" in allowed:
         return True
     try:
-        host = urlsplit("//" + headers.get("host", "")).hostname
-        return host is not None and urlsplit(origin).hostname == host
-    except ValueError:  # not a URL (an unclosed IPv6 bracket, say)
+        host = urlsplit("//" + headers.get("host", ""))
+        return _same_origin(urlsplit(origin), host, scope.get("scheme", "http"))
+    except ValueError:  # not a URL (an unclosed IPv6 bracket, say), or a port out of range
         return False
+
+
+#: The port a URL of each scheme means when it names none.
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _same_origin(page: SplitResult, host: SplitResult, scheme: str) -> bool:
+    """The page's origin is the server's: the same host name as the Host header; the same
+    port where the Host header names one (a proxy may pass the host without its port, as
+    nginx's ``$host`` does: then any); and no plain-HTTP page for a request that came over
+    TLS (an ``https`` page over plain HTTP is a proxy ending TLS in front)."""
+    if page.hostname is None or page.hostname != host.hostname:
+        return False
+    if scheme in ("https", "wss") and page.scheme != "https":
+        return False
+    return host.port is None or (page.port or DEFAULT_PORTS.get(page.scheme)) == host.port
