@@ -314,15 +314,21 @@ class ServerConfig:
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
     max_sessions_per_client: int = _opt(
-        -1, "sessions one client address may hold at once (WebSockets and WebRTC calls alike); the address "
-        "is the peer's, or the one a proxy of --forwarded-allow-ips names. -1: a quarter of --max-sessions "
-        "(at least 1) for every address but a loopback one (this host: a benchmark, a proxy beside the "
-        "server that names no client); 0: no limit; N: N for every address, loopback included",
+        -1, "sessions one client may hold at once (WebSockets and WebRTC calls alike); the client is the "
+        "peer's address, or the one a proxy of --forwarded-allow-ips names, an IPv6 one counted by its "
+        "--client-ipv6-prefix network. -1: a quarter of --max-sessions (at least 1) for every client but "
+        "this host's own connections (every hop loopback: a benchmark, a probe); 0: no limit; N: N for "
+        "every client, loopback included",
+    )
+    client_ipv6_prefix: int = _opt(
+        64, "the per-client quotas count an IPv6 client by its network of this many bits (64: one "
+        "subscriber's /64, whose every address is the same client; 128: each address its own)",
     )
     forwarded_allow_ips: str = _opt(
-        "", "comma-separated proxies (IPs or CIDRs, * for any peer) whose X-Forwarded-For names the client "
-        "(uvicorn's --forwarded-allow-ips, for its proxy headers and this server's per-client limit alike); "
-        "empty: no peer is trusted, X-Forwarded-For, Forwarded and X-Real-IP are never read",
+        "", "comma-separated proxies (IPs or CIDRs, * for any peer) whose X-Forwarded-For names the client, "
+        "read from the right: the first entry that is no proxy named here is the client (* trusts the peer, "
+        "no entry: its rightmost entry counts); empty: no peer is trusted, X-Forwarded-For, Forwarded and "
+        "X-Real-IP are never read",
     )
     handshake_timeout_s: float = _opt(
         10.0, "close a connection whose HTTP/WebSocket handshake is not complete after this long"
@@ -341,6 +347,12 @@ class ServerConfig:
         -1, "duplex/1: most sessions kept detached for a resume at once; past it the one detached "
         "longest ends (resume_evicted), as it does when a new session finds every slot taken "
         "(-1: a quarter of --max-sessions, at least 1)",
+    )
+    max_detached_per_client: int = _opt(
+        -1, "duplex/1: of those, most one client (as --max-sessions-per-client counts it) may keep; past it "
+        "its own detached longest ends (resume_evicted), and past --max-detached that of the client "
+        "holding the most, so one client's drops evict only its own (-1: a quarter of --max-detached, at "
+        "least 1)",
     )
     late_frame_ms: float = _opt(
         200.0, "an output frame handed to the socket more than this after its input arrived is late "
@@ -529,8 +541,10 @@ class ServerConfig:
         trusted_proxies(self.forwarded_allow_ips)  # raises for an entry that is no address
         if self.max_prompt_bytes < 1 or self.webrtc_connect_timeout_s <= 0:
             raise ValueError("max_prompt_bytes and webrtc_connect_timeout_s must be positive")
-        if self.max_detached < -1:
-            raise ValueError("max_detached must be -1 (a quarter of max_sessions) or at least 0")
+        if self.max_detached < -1 or self.max_detached_per_client < -1:
+            raise ValueError("max_detached and max_detached_per_client must be -1 (a quarter) or at least 0")
+        if not 1 <= self.client_ipv6_prefix <= 128:
+            raise ValueError("client_ipv6_prefix must be 1..128 (bits of an IPv6 address)")
         if self.codec_threads < 1 or self.codec_processes < 0:
             raise ValueError("codec_threads must be at least 1 and codec_processes at least 0")
         if not 0 <= self.opus_complexity <= 10:

@@ -26,12 +26,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from duplexserve import __version__, errors
 from duplexserve.codecs.opus_budget import OpusLimits
 from duplexserve.codecs.procpool import CodecProcesses
-from duplexserve.config import ServerConfig
+from duplexserve.config import ServerConfig, trusted_proxies
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server import auth, gc_pauses, personas
 from duplexserve.server.calls import WebRTCCalls, WebRTCCollector
 from duplexserve.server.core.adapter import ProtocolAdapter
+from duplexserve.server.core.client_address import ForwardedFor
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.session import Limits
 from duplexserve.server.http_errors import http_error
@@ -91,6 +92,8 @@ class DuplexApp:
             gather=config.engine_gather == "on",
             resume_grace_s=config.resume_grace_s,
             max_detached=config.max_detached,
+            max_detached_per_client=config.max_detached_per_client,
+            client_ipv6_prefix=config.client_ipv6_prefix,
             late_frame_ms=config.late_frame_ms,
             replica_id=config.replica_id,
             engine_factory=None if engine else lambda: build_engine(config),
@@ -121,6 +124,9 @@ class DuplexApp:
         self.http = self._http_app()
         self.api_keys = auth.parse_list(config.api_keys)
         self.keyed_paths = DOCS_PATHS | ({"/metrics"} if config.metrics_auth else set())
+        proxies = trusted_proxies(config.forwarded_allow_ips)
+        #: The client and scheme that trusted proxies name, in place of uvicorn's proxy headers.
+        self.forwarded = ForwardedFor(proxies) if proxies else None
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -191,6 +197,8 @@ class DuplexApp:
         return app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.forwarded is not None and scope["type"] != "lifespan":
+            self.forwarded.rewrite(scope)
         if scope["type"] == "websocket":
             protocol = PROTOCOLS.get(scope["path"])
             if protocol is None:

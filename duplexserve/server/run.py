@@ -17,7 +17,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from duplexserve.config import ServerConfig, trusted_proxies
+from duplexserve.config import ServerConfig
 from duplexserve.server import auth, log_redaction
 from duplexserve.server.app import DuplexApp, create_app
 from duplexserve.server.core.budgets import over_budget
@@ -181,10 +181,9 @@ def http_protocol(config: ServerConfig, app: object) -> type[HttpToolsProtocol]:
 def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> uvicorn.Config:
     """uvicorn's settings for ``config``; ``budgets`` False: the WebSocket protocols with no
     budget, uvicorn's as they come (the benchmarks' echo floors)."""
-    # X-Forwarded-For from the proxies of --forwarded-allow-ips only, never uvicorn's own default
-    # (loopback) nor its FORWARDED_ALLOW_IPS: its middleware rewrites the scope's client, which is
-    # the address the per-client limit counts (HTTP and WebSocket alike).
-    proxies = trusted_proxies(config.forwarded_allow_ips)
+    # No proxy headers here: the app reads X-Forwarded-For itself (core/client_address.py), from
+    # the right and from --forwarded-allow-ips only, where uvicorn's middleware would take the
+    # client-written leftmost entry under "*" (and trusts loopback by default).
     return uvicorn.Config(
         app,
         host=config.host,
@@ -200,8 +199,7 @@ def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> u
         lifespan="on",
         log_level=config.log_level,
         access_log=False,
-        proxy_headers=bool(proxies),
-        forwarded_allow_ips=proxies or None,
+        proxy_headers=False,
         backlog=4096,
         timeout_graceful_shutdown=5,
     )

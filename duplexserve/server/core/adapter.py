@@ -31,6 +31,7 @@ from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server.core import prompts
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.core.client_address import client_of
 from duplexserve.server.core.events import AudioOut, ClosedOut, Outgoing
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.session import Session
@@ -211,11 +212,10 @@ class ProtocolAdapter:
     # ---------------------------------------------------------------- the session
     async def open_session(self, params: dict[str, Any] | None = None) -> bool:
         """Take a slot for this connection, or refuse it in the protocol's own form."""
-        client = self.scope.get("client")
-        address = client[0] if client else None
-        session = self.orch.open_session(params, address)
+        client = client_of(self.scope)
+        session = self.orch.open_session(params, client)
         if session is None:
-            refusal = self.orch.refusal(address)
+            refusal = self.orch.refusal(client)
             code, error, message = refusal or (errors.TRY_AGAIN, "server_unavailable", "try again later")
             await self.refuse(code, error, message)
             return False

@@ -1,21 +1,22 @@
 """Admission: who may open a session now, in which slot, and the prompt it runs first.
 
 The part of the orchestrator (core/orchestrator.py) that a new connection meets: the
-refusals (full, draining, an engine not ready, the per-address limit), the slot and
+refusals (full, draining, an engine not ready, the per-client limit), the slot and
 generation a session gets, and its prompt handed to the engine before its first audio.
+A client is counted by :func:`~duplexserve.server.core.client_address.client_key`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import itertools
 import secrets
 from typing import TYPE_CHECKING, Any
 
 from duplexserve import errors
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.core.client_address import ClientAddress, client_key
 from duplexserve.server.core.session import Limits, Session
 from duplexserve.server.core.turnaround import FrameTimer, TurnaroundTotals
 
@@ -35,6 +36,7 @@ class Admission:
     turnaround: TurnaroundTotals
     draining: bool
     max_sessions_per_client: int
+    client_ipv6_prefix: int
     max_prompt_bytes: int
     _loop: asyncio.AbstractEventLoop | None
     _loopback_exempt: bool
@@ -45,7 +47,7 @@ class Admission:
     _generations: itertools.count[int]
     _prompts: dict[int, asyncio.Future[tuple[str, str] | None]]
     counts: Any
-    _evict_oldest_detached: Any  # the orchestrator's
+    _evict: Any  # the orchestrator's
 
     @property
     def ready(self) -> bool:
@@ -56,16 +58,30 @@ class Admission:
         """A slot is free, or one that a detached session holds can be freed for a new one."""
         return bool(self._free) or self.resume.detached > 0
 
-    def refusal(self, client: str | None) -> tuple[int, str, str] | None:
+    def client_key(self, client: ClientAddress | None) -> str | None:
+        """What the per-client quotas count ``client`` as, or None where they do not count it:
+        no limit (``--max-sessions-per-client 0``), no address, or, under the default limit,
+        this host's own connection (a benchmark, a probe, this host through a proxy on it).
+        A loopback peer passing on others' connections is not this host (docs/reliability.md)."""
+        if client is None or not self.max_sessions_per_client:
+            return None
+        if self._loopback_exempt and client.local:
+            return None
+        return client_key(client.host, self.client_ipv6_prefix)
+
+    def refusal(self, client: ClientAddress | None) -> tuple[int, str, str] | None:
         """Why a new session from ``client`` cannot be admitted now, or None.
 
         Returns (close code, error code, message): 1013 for full, draining or an engine
-        not ready (try again later), 1008 for the per-address policy. ``client`` is the
-        address uvicorn put in the scope: the peer's, or what a proxy of
-        ``--forwarded-allow-ips`` named. Under the default limit a loopback address is
-        exempt: it is this host (a benchmark, a health probe, or a proxy beside the server
-        that names no client, whose clients would otherwise share one address's quarter).
+        not ready (try again later), 1008 for the per-client policy. ``client`` is the
+        address in the scope: the peer's, or what a proxy of ``--forwarded-allow-ips``
+        named (core/client_address.py).
         """
+        return self._refusal(self.client_key(client))
+
+    def _refusal(self, key: str | None) -> tuple[int, str, str] | None:
+        """:meth:`refusal` for the client counted as ``key``. Its detached sessions do not
+        count: one of them gives way to its new session (:meth:`open_session`)."""
         if self.draining:
             return errors.TRY_AGAIN, "server_unavailable", "server is draining, try again later"
         if not self.bridge.running:
@@ -73,26 +89,32 @@ class Admission:
         if not self._has_room:
             return errors.TRY_AGAIN, "server_unavailable", "server is full, try again later"
         limit = self.max_sessions_per_client
-        if limit and client and self._per_client[client] >= limit and not (
-            self._loopback_exempt and _loopback(client)
-        ):
+        if key is not None and self._per_client[key] - self.resume.detached_by(key) >= limit:
             return errors.POLICY, "too_many_sessions", f"at most {limit} sessions per client address"
         return None
 
     def open_session(
-        self, params: dict[str, Any] | None = None, client: str | None = None
+        self, params: dict[str, Any] | None = None, client: ClientAddress | None = None
     ) -> Session | None:
-        """A new session in a free slot, or None when :meth:`refusal` says why not (1013)."""
-        refusal = self.refusal(client)
+        """A new session in a free slot, or None when :meth:`refusal` says why not (1013).
+
+        A detached session gives way to it where one must: the client's own detached longest
+        when it is at its limit, or when every slot is taken and it has one; else that of
+        the client holding the most detached sessions (core/resume.py)."""
+        key = self.client_key(client)
+        refusal = self._refusal(key)
         if refusal is not None:
             self.rejected(refusal)
             return None
-        if not self._free:  # every slot taken, some by detached sessions: the oldest gives way
-            self._evict_oldest_detached()
+        if key is not None and self._per_client[key] >= self.max_sessions_per_client:
+            self._evict(self.resume.evict_oldest_of(key))
+        if not self._free:
+            victim = self.resume.evict_oldest_of(key)
+            self._evict(victim if victim is not None else self.resume.evict_oldest())
         slot = self._free.pop()
-        if client:
-            self._per_client[client] += 1
-            self._client_of[slot] = client
+        if key is not None:
+            self._per_client[key] += 1
+            self._client_of[slot] = key
         session = Session(
             secrets.token_hex(8), slot, next(self._generations), self.limits, FrameTimer(self.turnaround)
         )
@@ -149,14 +171,3 @@ class Admission:
             over_budget("prompt_bytes")
             return "invalid_prompt", f"text_prompt is over {limit} bytes (--max-prompt-bytes)"
         return None
-
-
-
-def _loopback(address: str) -> bool:
-    """Whether ``address`` (an IP, or a name a proxy sent) is this host's loopback."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return (mapped or ip).is_loopback

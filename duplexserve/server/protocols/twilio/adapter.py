@@ -33,6 +33,7 @@ from duplexserve.codecs.pipeline import make_decoder, make_encoder
 from duplexserve.server import auth
 from duplexserve.server.core import prompts
 from duplexserve.server.core.adapter import ProtocolAdapter
+from duplexserve.server.core.client_address import client_of
 from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Outgoing
 from duplexserve.server.log_redaction import clip
 from duplexserve.server.protocols.moshi_chat import engine_params
@@ -94,8 +95,7 @@ class TwilioConnection(ProtocolAdapter):
         await self.close(code, error)
 
     async def handshake(self) -> bool:
-        client = self.scope.get("client")
-        refusal = self.orch.refusal(client[0] if client else None)
+        refusal = self.orch.refusal(client_of(self.scope))
         if refusal is not None:  # full or draining: say so at the upgrade, before any message
             self.orch.rejected(refusal)
             await self.refuse(*refusal)
