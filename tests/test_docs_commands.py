@@ -264,6 +264,16 @@ def test_protocols_md_counts_the_protocols_its_table_lists():
         assert not re.search(rf"\b(all {word}|{word} protocols)\b", text, flags=re.IGNORECASE), word
 
 
+def test_every_variable_compose_reads_is_on_its_page_with_its_default():
+    """DUPLEXSERVE_MOSHI_PRESET=tiny, compose's default, was missing from the variables table."""
+    compose = (ROOT / "docker" / "compose.yaml").read_text()
+    page = (ROOT / "docs" / "deploy-compose.md").read_text()
+    read = dict(re.findall(r"\$\{(DUPLEXSERVE_\w+):-([^}]*)\}", compose))
+    assert len(read) > 20 and not [name for name in read if not re.search(rf"\b{name}\b", page)]
+    for name in ("DUPLEXSERVE_MOSHI_PRESET", "DUPLEXSERVE_DEVICE", "DUPLEXSERVE_IDLE_TIMEOUT_S"):
+        assert f"| `{name}` | `{read[name]}` |" in page, name
+
+
 def test_the_repository_cites_only_files_it_has():
     """The design files the project follows are not in the repository: its docs state what they
     take from them (docs/protocol.md the wire contract, docs/benchmarks.md's Definitions,
