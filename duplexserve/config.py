@@ -89,7 +89,10 @@ class ServerConfig:
         "\"very_bad\" as in moshi; 1: off. Doubles each session's KV cache"
     )
     device: str = _opt("auto", "moshi engine: torch device (auto, cpu, cuda)")
-    moshi_tokenizer: str = _opt("", "moshi engine: SentencePiece model turning text tokens into text")
+    moshi_tokenizer: str = _opt(
+        "", "moshi engine: SentencePiece model of the text tokens (prompts in, text out); empty: the "
+        "checkpoint's own, or a tiny preset's toy one (docs/moshi-engine.md)",
+    )
     moshi_context: int = _opt(0, "moshi engine: LM context (KV cache) in frames; 0: the model's own")
     moshi_dtype: str = _opt(
         "auto", "moshi engine: LM weights dtype (auto: bfloat16 on GPU, float32 on CPU; float64: "

@@ -36,8 +36,9 @@ def test_the_tiny_preset_on_the_cpu():
     report = fields(done.stdout)
     assert report["python"].startswith(f"3.{sys.version_info.minor}.")
     assert report["engine"] == "moshi on cpu (--device cpu) in the engine thread, --max-sessions 8"
-    assert report["model"].startswith("preset tiny (random weights): moshi LM 2 layers, d=64, 4 heads, "
-                                      "context 200 frames, delay 1")
+    assert report["model"].startswith("preset tiny (random weights and a toy tokenizer): moshi LM 2 layers, "
+                                      "d=64, 4 heads, context 200 frames, delay 1")
+    assert report["problems"] == "none"  # text with the toy tokenizer, and no prompts to refuse
     # 2 layers x K and V x 200 frames x 64 values x 4 bytes (float32 on the CPU)
     assert report["kv ring"].startswith("200.0 KiB a slot: 2 layers x K,V x 200 frames x 64 values x 4 B")
     assert report["memory"].startswith("the CPU does not size slots by memory: 8 slots x 200.0 KiB of KV")
@@ -193,11 +194,15 @@ def test_a_checkpoint_on_disk(server_factory, tmp_path):
 
 def test_options_that_refuse_sessions_the_model_takes_are_reported(tmp_path):
     """PersonaPlex without a tokenizer refuses every text prompt and without voices every
-    voice: serve starts all the same, and check said ``problems none``."""
+    voice: serve starts all the same, and check said ``problems none``. The tiny preset has
+    its toy tokenizer: only the voices are missing."""
     from tests.test_moshi_engine import _tokenizer
 
-    base = ("check", "--engine", "moshi", "--moshi-preset", "tiny-personaplex", "--device", "cpu",
-            "--max-sessions", "2")
+    base = ("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "2")
+    done = run(*base, "--moshi-preset", "tiny-personaplex")
+    problems = done.stdout.split("problems")[1]
+    assert "tokenizer" not in problems and "no voices: every voice prompt is refused" in problems, done.stdout
+    base = (*base, "--moshi-preset", "personaplex-7b")  # random weights and no tokenizer
     done = run(*base)
     assert done.returncode == 0, done.stdout
     warned = [line for line in done.stdout.splitlines() if line.startswith("  warning")]
@@ -216,5 +221,6 @@ def test_options_that_refuse_sessions_the_model_takes_are_reported(tmp_path):
     assert "refused" not in done.stdout, done.stdout
     done = run(*base, "--voice-prompt-dir", str(tmp_path / "none"))
     assert done.returncode == 1 and f"--voice-prompt-dir {tmp_path / 'none'} is not a folder" in done.stdout
-    done = run("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "2")  # no prompts to refuse
+    done = run("check", "--engine", "moshi", "--moshi-preset", "moshi-7b", "--device", "cpu",
+               "--max-sessions", "2")  # no prompts to refuse
     assert "no tokenizer: sessions get no text (text.delta);" in done.stdout and "voice" not in done.stdout

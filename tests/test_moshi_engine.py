@@ -10,8 +10,8 @@ tests that compare those run in float64, where the rounding stays below the outp
 
 from __future__ import annotations
 
-import io
 import json
+import shutil
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +20,7 @@ import pytest
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 from duplexserve.engine_bridge.moshi.presets import TINY_LM, TINY_MIMI
+from duplexserve.engine_bridge.moshi.toy_tokenizer import TOY_TOKENIZER
 from duplexserve.engine_bridge.process_engine import ProcessEngine
 
 SLOTS = 4
@@ -116,18 +117,8 @@ def test_reset_gives_a_new_session_a_fresh_state(engine):
 
 
 def _tokenizer(path) -> None:
-    import sentencepiece
-
-    text = "every session is a slot of one batched streaming state. hello from the duplex engine."
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(text.split(". ") * 10),
-        model_writer=model,
-        vocab_size=64,
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
-    path.write_bytes(model.getvalue())
+    """The tiny presets' toy tokenizer, copied to ``path`` (a checkpoint's file)."""
+    shutil.copyfile(TOY_TOKENIZER, path)
 
 
 def test_local_weights_and_tokenizer(engine, tmp_path):

@@ -27,7 +27,7 @@ import websockets.asyncio.client
 
 from tests import raw_ws
 from tests.conftest import ServerProcess, start_server
-from tests.personaplex_checkpoint import CONTEXT, PRESET
+from tests.personaplex_checkpoint import CONTEXT, PRESET, write_wav
 from tests.test_moshi_equivalence import signal
 from tests.test_moshi_protocol import KyutaiLikeClient, voice
 from tests.test_realtime_protocol import validate
@@ -168,12 +168,19 @@ def test_native_session_updated_echoes_the_prompt_the_model_ran(pp_server, echo_
     assert "text_prompt" not in updated and "voice_prompt" not in updated
 
 
-def test_a_text_prompt_without_a_tokenizer_names_the_option(server_factory):
+def test_the_tiny_preset_takes_a_persona_out_of_the_box(server_factory, tmp_path):
+    """A persona on a laptop: no checkpoint, no --moshi-tokenizer (every text prompt was refused
+    with invalid_prompt), a .wav of one's own as the voice; the toy tokenizer's text streams."""
+    (tmp_path / "voices").mkdir()
+    write_wav(tmp_path / "voices" / "mine.wav", 0.5 * signal(99, 5).reshape(-1))
     server = server_factory("--engine", "moshi", "--moshi-preset", PRESET, "--device", "cpu",
-                            "--moshi-threads", "1", "--max-sessions", "1", "--api-keys", KEY)
-    events, _, code = run(native(server, {"text_prompt": "hello duplex"}))
-    assert kinds(events) == ["error"] and events[0]["code"] == "invalid_prompt" and code == 1007
-    assert "start it with --moshi-tokenizer" in events[0]["message"]
+                            "--moshi-threads", "1", "--max-sessions", "1", "--api-keys", KEY,
+                            "--voice-prompt-dir", str(tmp_path / "voices"))
+    events, audio, code = run(native(server, {"text_prompt": "You enjoy a good conversation.",
+                                              "voice_prompt": "mine.wav"}))
+    assert "error" not in kinds(events) and code == 1000, events
+    assert events[-1]["reason"] == "completed" and len(audio) == events[-1]["frames_out"] > FRAMES
+    assert any(e["type"] == "text.delta" and e["text"] for e in events), events
 
 
 def test_native_unknown_voice_and_bad_prompt_close_the_session(pp_server):

@@ -33,7 +33,7 @@ class Model:
     mimi: dict[str, Any] | None  # Mimi's config; None: moshi's stock Mimi
     model_type: str
     codebooks: int  # Mimi codebooks per stream
-    tokenizer: bool  # a SentencePiece model: the checkpoint's, or --moshi-tokenizer's
+    tokenizer: bool  # a SentencePiece model: the checkpoint's, --moshi-tokenizer's or the preset's toy
 
     def describe(self) -> str:
         lm = self.lm
@@ -91,7 +91,9 @@ def resolve_model(config: ServerConfig) -> Model:
             fix = "use one of those, or name a checkpoint (--moshi-weights DIR, --moshi-hf-repo OWNER/NAME)"
             raise ModelError(Problem(str(exc), fix)) from None
         lm, mimi, model_type, codebooks = dict(preset.lm), preset.mimi, preset.model_type, preset.codebooks
-        described = f"preset {preset.name} (random weights)"
+        toy = " and a toy tokenizer" if preset.tokenizer and not tokenizer else ""
+        described = f"preset {preset.name} (random weights{toy})"
+        tokenizer = tokenizer or bool(preset.tokenizer)
     if config.moshi_context:
         lm["context"] = config.moshi_context
     return Model(described, lm, mimi, model_type, codebooks, tokenizer)

@@ -6,6 +6,8 @@ that process and this. Apart, so that neither imports the other: no import circl
 
 from __future__ import annotations
 
+import dataclasses
+
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
@@ -18,8 +20,9 @@ def build_local_engine(config: ServerConfig) -> Engine:
         return vllm_omni_engine_from_config(config)
     if config.engine == "moshi":
         from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
+        from duplexserve.engine_bridge.moshi.presets import served_tokenizer
 
-        return moshi_engine_from_config(config)
+        return moshi_engine_from_config(dataclasses.replace(config, moshi_tokenizer=served_tokenizer(config)))
     if config.engine == "synthetic":
         return SyntheticEngine(
             config.max_sessions,

@@ -15,7 +15,8 @@ moshi's own code), [R] reconstructed from ports and reports, with the confidence
 - ``hibiki-2b-class``: the 2B class of Hibiki (24 layers, d=2048) that docs/benchmarks.md's
   H200 numbers were measured on, before the released 2B's shape was known.
 - ``tiny`` and ``tiny-*``: shrunk until a CPU step of a few sessions costs milliseconds (a
-  stock Mimi alone costs seconds per step on a CPU): for tests, one per released feature.
+  stock Mimi alone costs seconds per step on a CPU): for tests, one per released feature,
+  and with the project's toy tokenizer (toy_tokenizer.py) for text prompts and text output.
 
 This module imports neither torch nor moshi, so the server can describe a preset
 before the engine thread loads anything.
@@ -24,7 +25,14 @@ before the engine thread loads anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from duplexserve.engine_bridge.moshi.toy_tokenizer import TOY_TOKENIZER
+
+if TYPE_CHECKING:
+    from duplexserve.config import ServerConfig
+
+TOY = str(TOY_TOKENIZER)  # the tiny presets' tokenizer, a toy like their weights (toy_tokenizer.py)
 
 # The constants below restate moshi.models.loaders (0.2.13: _seanet_kwargs,
 # _transformer_kwargs, _lm_kwargs) so that this module stays importable without moshi.
@@ -263,6 +271,7 @@ class Preset:
     mimi: dict[str, Any]
     model_type: str = "moshi"  # what differs per session (families.py)
     lm_gen_config: dict[str, Any] = field(default_factory=dict)  # the checkpoint's sampling defaults
+    tokenizer: str = ""  # its SentencePiece model (the tiny ones': the toy); empty: none, no text
 
     @property
     def codebooks(self) -> int:
@@ -282,13 +291,22 @@ PRESETS: dict[str, Preset] = {
     "hibiki-zero-3b": Preset("hibiki-zero-3b", HIBIKI_ZERO_3B_LM, MIMI, "hibiki", HIBIKI_GEN),
     "personaplex-7b": Preset("personaplex-7b", PERSONAPLEX_7B_LM, MIMI, "personaplex", PERSONAPLEX_GEN),
     "hibiki-2b-class": Preset("hibiki-2b-class", HIBIKI_2B_CLASS_LM, MIMI),
-    "tiny": Preset("tiny", TINY_LM, TINY_MIMI),
-    "tiny-hibiki": Preset("tiny-hibiki", TINY_HIBIKI_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN),
-    "tiny-zero": Preset("tiny-zero", TINY_ZERO_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN),
+    "tiny": Preset("tiny", TINY_LM, TINY_MIMI, tokenizer=TOY),
+    "tiny-hibiki": Preset("tiny-hibiki", TINY_HIBIKI_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN, TOY),
+    "tiny-zero": Preset("tiny-zero", TINY_ZERO_LM, TINY_MIMI_16, "hibiki", HIBIKI_GEN, TOY),
     "tiny-personaplex": Preset(
-        "tiny-personaplex", TINY_PERSONAPLEX_LM, TINY_MIMI, "personaplex", PERSONAPLEX_GEN
+        "tiny-personaplex", TINY_PERSONAPLEX_LM, TINY_MIMI, "personaplex", PERSONAPLEX_GEN, TOY
     ),
 }
+
+
+def served_tokenizer(config: ServerConfig) -> str:
+    """The SentencePiece model the moshi engine is given: ``--moshi-tokenizer``, else where no
+    checkpoint is named (whose own the engine reads) the preset's; empty: none."""
+    if config.moshi_tokenizer or config.moshi_hf_repo or config.moshi_weights:
+        return config.moshi_tokenizer
+    preset = PRESETS.get(config.moshi_preset)
+    return preset.tokenizer if preset else ""
 
 
 def preset_note() -> str:
