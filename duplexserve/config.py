@@ -314,6 +314,10 @@ class ServerConfig:
     overload_gil_wait_ms: float = _opt(
         20.0, "the same past this wait of an engine step's answer for the GIL (--engine-process)"
     )
+    overload_parse_share: float = _opt(
+        0.5, "the same past this share of the loop's time handling WebSocket text (JSON) messages, all "
+        "connections together: the global ceiling on parse work (0: none)"
+    )
     idle_timeout_s: float = _opt(30.0, "close a session that sends nothing for this long")
     max_session_s: float = _opt(0.0, "longest session in seconds (0: no limit)")
     max_sessions_per_client: int = _opt(

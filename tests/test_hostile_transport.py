@@ -209,8 +209,9 @@ TINY = {  # path: (what the socket sends before the flood, one flood message as 
 @pytest.mark.parametrize("path", list(TINY))
 def test_tiny_messages_from_an_authenticated_client_stall_nothing_and_are_cut(server_factory, path):
     """Tiny messages as fast as the socket takes them on an authenticated connection (each
-    parsed, most answered): one slice of them a wake-up, and past
-    --ws-max-frames-per-s (with its burst) the connection is closed 1008."""
+    parsed, most answered): one slice of them a wake-up, and past a budget the connection is
+    closed 1008: text (JSON) past --ws-max-parse-ms-per-s, the loop's time handling it, long
+    before its frames' budget; binary past --ws-max-frames-per-s (with its burst)."""
     server = server_factory("--api-keys", KEY)
     sock, rest = connect(server, f"{path}?token={KEY}")
     first, message = TINY[path]
@@ -219,8 +220,9 @@ def test_tiny_messages_from_an_authenticated_client_stall_nothing_and_are_cut(se
     assert_served_beside(server, flood)
     assert flood.ended and flood.ended - flood.started < 10, "the flood was served for seconds"
     assert flood.close_code() == 1008
-    assert over_budget(server, "frames_per_s") == 1
-    assert server.log().count("over its frames_per_s budget: closed 1008") == 1
+    budget = "parse_ms_per_s" if message[0] == 0x81 else "frames_per_s"
+    assert over_budget(server, budget) == 1
+    assert server.log().count(f"over its {budget} budget: closed 1008") == 1
     # Its session ended with it: not kept for a resume (on /v1/duplex), no slot held.
     deadline = time.monotonic() + 5
     while (active := server.metrics()["duplexserve_sessions_active"]) and time.monotonic() < deadline:
@@ -232,7 +234,8 @@ def test_a_flood_within_its_budgets_delays_others_by_slices_only(server_factory)
     """With no budget at all (0: off) a flood of tiny messages goes on for as long as the
     honest sessions stream: each wake-up parses one slice of it, so their frames and
     /health are no later than with the budgets."""
-    off = ("--ws-max-frames-per-s", "0", "--ws-max-control-frames-per-s", "0", "--ws-max-bytes-per-s", "0")
+    off = ("--ws-max-frames-per-s", "0", "--ws-max-control-frames-per-s", "0", "--ws-max-bytes-per-s", "0",
+           "--ws-max-parse-ms-per-s", "0", "--overload-parse-share", "0")  # fmt: skip
     server = server_factory("--api-keys", KEY, *off)
     sock, rest = connect(server, f"/v1/duplex?token={KEY}")
     flood = Flood(sock, rest, raw_ws.frame(0x81, b'{"type":"x"}') * 20_000)
@@ -248,11 +251,11 @@ def _rss_mb(server: ServerProcess) -> float:
 
 
 def test_a_client_that_reads_no_replies_is_closed_slow_consumer(server_factory):
-    """Pings with 64 KB ids and nothing read (the bytes budget off, so that only this bound
-    acts): past --max-output-event-bytes of replies waiting, the session is closed
+    """Pings with 64 KB ids and nothing read (the bytes and parse budgets off, so that only
+    this bound acts): past --max-output-event-bytes of replies waiting, the session is closed
     slow_consumer (1008), counted and logged once, and the server's memory stays flat
     (the replies piled up without end before: 2 GB in 8 s)."""
-    server = server_factory("--ws-max-bytes-per-s", "0")
+    server = server_factory("--ws-max-bytes-per-s", "0", "--ws-max-parse-ms-per-s", "0")
     sock, rest = connect(server, "/v1/duplex")
     ping = text_frames({"type": "ping", "id": "i" * 65536}, 1)
     before = _rss_mb(server)

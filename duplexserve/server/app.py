@@ -116,7 +116,9 @@ class DuplexApp:
             ParseLimits(config.ws_max_parse_ms_per_s, config.ws_max_address_parse_ms_per_s),
             list(auth.parse_list(config.forwarded_allow_ips)),
         )
-        thresholds = Thresholds(config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000)
+        thresholds = Thresholds(
+            config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000, config.overload_parse_share
+        )
         self.overload = OverloadManager(
             thresholds, lambda: self.orchestrator.bridge.take_gil_wait(), self.parse.take_spent
         )

@@ -52,7 +52,7 @@ class Thresholds:
 
     loop_lag_s: float = 0.05  # a frame on time (80 ms) still has most of its period
     gil_wait_s: float = 0.02  # a quarter frame of hand-off waits in one probe period
-    parse_share: float = 0.4  # of the loop's time, handling text messages in all
+    parse_share: float = 0.5  # of the loop's time, handling text messages in all (0: no ceiling)
     #: Overloaded once this many probes in a row are over a threshold (200 ms): a pause of the
     #: collector or the host's scheduler is no overload, a flood is.
     sustain: int = 4
@@ -125,6 +125,8 @@ class OverloadManager:
             i += 1
         self.lag_buckets[i] += 1
         th = self.thresholds
+        if not th.parse_share:
+            parse_share = 0.0
         if lag_s > th.loop_lag_s or gil_s > th.gil_wait_s or parse_share > th.parse_share:
             self._hot += 1
             if not self.overloaded and self._hot >= th.sustain:
