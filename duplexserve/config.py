@@ -308,8 +308,9 @@ class ServerConfig:
         4.0, "how many seconds of its rate a WebSocket connection may send at once (the buckets' depth)"
     )
     overload_lag_ms: float = _opt(
-        40.0, "the event loop counts as overloaded past this lag (a timer due every 50 ms running late): "
-        "new HTTP requests but a reserve of probes, and new sessions, are shed (docs/reliability.md)"
+        50.0, "the event loop counts as overloaded past this lag, 4 probes in a row (a timer due every 50 "
+        "ms running late): new HTTP requests but a reserve of probes, and new sessions, are shed "
+        "(docs/reliability.md)"
     )
     overload_gil_wait_ms: float = _opt(
         20.0, "the same past this wait of an engine step's answer for the GIL (--engine-process)"
