@@ -123,5 +123,5 @@ def test_max_sessions_auto_needs_a_gpu():
     assert done.returncode == 2 and "with --engine synthetic pass a number instead" in done.stderr
     assert "usage" not in done.stderr
     done = run("serve", "--max-sessions", "0")  # 0 is not a way to write auto
-    assert done.returncode == 2 and "invalid int_or_auto value: '0'" in done.stderr
+    assert done.returncode == 2 and "'0' is no session count: a whole number from 1 up" in done.stderr
 
