@@ -83,7 +83,7 @@ pid {tmp}/nginx.pid;
 error_log {tmp}/error.log info;
 events {{ worker_connections 1024; }}
 http {{
-    log_format upstreams '$request_uri $status $upstream_addr $upstream_status';
+    log_format upstreams '$request_uri $status $upstream_addr $upstream_status "$http_cookie"';
     access_log {tmp}/access.log upstreams;
     client_body_temp_path {tmp}/client_body;
     proxy_temp_path {tmp}/proxy;

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +95,35 @@ def test_every_resume_reaches_its_replica_through_nginx(server_factory, tmp_path
     resumes = [line.split() for line in (tmp_path / "nginx" / "access.log").read_text().splitlines()
                if "resume=" in line]
     assert len(resumes) == SESSIONS
-    for uri, status, upstream, _ in resumes:
+    for uri, status, upstream, *_ in resumes:
         replica = re.search(r"resume=([^.&]+)\.", uri)
         assert replica is not None and status == "101"
         assert upstream == f"127.0.0.1:{port_of[replica.group(1)]}", (uri, upstream)
+
+
+def test_the_native_client_sends_a_gateways_cookie_back_on_its_resumes(server_factory, tmp_path,
+                                                                        monkeypatch) -> None:
+    """Envoy Gateway's session persistence (deploy/kubernetes/base/route.yaml) names the replica
+    in a cookie on the upgrade's answer; a browser sends it back by itself, and so must
+    `duplexserve loadgen --drop-every` (the native client). nginx stands in for the gateway here,
+    setting such a cookie; its log shows what each request carried."""
+    server = server_factory("--max-sessions", "8", "--max-sessions-per-client", "0", *REPLICA)
+    site = generated_site(tmp_path / "site.conf").read_text()
+    sticky = '        add_header Set-Cookie "duplexserve-replica=pod-a; Path=/" always;\n'
+    site = site.replace("        proxy_pass http://$duplexserve_upstream;\n",
+                        "        proxy_pass http://$duplexserve_upstream;\n" + sticky)
+    (tmp_path / "site.conf").write_text(re.sub(r"server duplexserve-[123]:8998(?=[ ;])",
+                                               f"server 127.0.0.1:{server.port}", site))
+    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", tmp_path / "site.conf")
+    with nginx_in_front(tmp_path, server) as url:
+        load = subprocess.run(
+            [sys.executable, "-m", "duplexserve", "loadgen", url.rsplit("/v1", 1)[0], "--concurrency", "4",
+             "--sessions", "4", "--warmup", "0", "--seconds", "3", "--drop-every", "1", "--expect", "echo",
+             "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert load.returncode == 0, load.stdout + load.stderr
+    lines = (tmp_path / "nginx" / "access.log").read_text().splitlines()
+    resumes = [line for line in lines if "resume=" in line]
+    firsts = [line for line in lines if "/v1/duplex" in line and "resume=" not in line]
+    assert resumes and len(firsts) == 4
+    assert all(line.endswith('"duplexserve-replica=pod-a"') for line in resumes), resumes
+    assert all(line.endswith('"-"') for line in firsts), firsts

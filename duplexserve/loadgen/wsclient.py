@@ -34,9 +34,13 @@ class Handler(TypingProtocol):
 class WSClient(asyncio.Protocol):
     """One client connection. ``await opened`` before sending; ``closed`` resolves at the end."""
 
-    def __init__(self, uri: str, handler: Handler) -> None:
+    def __init__(self, uri: str, handler: Handler, cookie: str = "") -> None:
         self.uri = parse_uri(uri)
         self.handler = handler
+        self.cookie = cookie  # a Cookie header to send with the upgrade
+        #: ``name=value`` of each Set-Cookie in the upgrade's answer (a gateway's session
+        #: persistence names the replica there: a resume sends them back, docs/deploy-kubernetes.md).
+        self.cookies: list[str] = []
         self.proto = ClientProtocol(self.uri, max_size=None)
         self.transport: asyncio.Transport | None = None
         loop = asyncio.get_running_loop()
@@ -48,9 +52,9 @@ class WSClient(asyncio.Protocol):
         self._close_reported = False
 
     @classmethod
-    async def connect(cls, uri: str, handler: Handler, timeout: float = 30.0) -> WSClient:
+    async def connect(cls, uri: str, handler: Handler, timeout: float = 30.0, cookie: str = "") -> WSClient:
         loop = asyncio.get_running_loop()
-        client = cls(uri, handler)
+        client = cls(uri, handler, cookie)
         await asyncio.wait_for(
             loop.create_connection(lambda: client, client.uri.host, client.uri.port), timeout
         )
@@ -99,7 +103,10 @@ class WSClient(asyncio.Protocol):
     # ------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-        self.proto.send_request(self.proto.connect())
+        request = self.proto.connect()
+        if self.cookie:
+            request.headers["Cookie"] = self.cookie
+        self.proto.send_request(request)
         self._flush()
 
     def data_received(self, data: bytes) -> None:
@@ -108,6 +115,7 @@ class WSClient(asyncio.Protocol):
         handler = self.handler
         for event in self.proto.events_received():
             if event.__class__ is Response:
+                self.cookies = [c.split(";", 1)[0].strip() for c in event.headers.get_all("Set-Cookie")]
                 if self.proto.handshake_exc is not None:
                     _fail(self.opened, self.proto.handshake_exc)
                 elif not self.opened.done():

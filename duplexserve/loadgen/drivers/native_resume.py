@@ -56,6 +56,7 @@ class ResumingNativeDriver(NativeDriver):
         self._sent_bytes = 0
         self._ended = False
         self._gap: asyncio.Future[None] | None = None  # set while a resume is under way
+        self._cookie = ""  # what the connections were told to send back (Set-Cookie)
         self._resumed: asyncio.Future[dict[str, Any]] | None = None
         self._width = SAMPLE_BYTES[self.input_format.format]  # runner checks: not Opus
 
@@ -126,7 +127,9 @@ class ResumingNativeDriver(NativeDriver):
             last = self.frames_received - 1
             self._resumed = loop.create_future()
             url = f"{self.url(self._base)}&resume={self._token}&last_frame={last}"
-            self.ws = await WSClient.connect(url, _Leg(self, self.leg), timeout)
+            # The cookies the first connection was given (a gateway's session persistence) go back.
+            self._cookie = "; ".join(self.ws.cookies) or self._cookie
+            self.ws = await WSClient.connect(url, _Leg(self, self.leg), timeout, self._cookie)
             event = await asyncio.wait_for(self._resumed, timeout)
             self.resumes += 1
             self.sink.on_resumed(event)  # type: ignore[attr-defined]
