@@ -15,7 +15,6 @@ tokenizer and the engine restarted on.
 from __future__ import annotations
 
 import asyncio
-import io
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,6 @@ TEXT_CARD = 64  # tiny-personaplex's, as the released model's tokenizer has its 
 PIRATE = {"text_prompt": "You are a pirate."}
 PERSONA = {"text_prompt": "Help desk.", "voice_prompt": "voice.pt"}
 VOICE = {"voice_prompt": "voice.wav"}
-CORPUS = (
-    "Every session is a slot of one batched streaming state. Hello from the duplex engine. "
-    "You are a pirate captain who sails the seven seas. Answer briefly and kindly, the weather "
-    "is fine today. Welcome to the help desk of the railway company, how can I help you?"
-)
 
 
 def run(coro):
@@ -47,23 +41,13 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(personaplex_checkpoint, tmp_path_factory) -> Path:
-    """The tiny PersonaPlex, its tokenizer replaced by one of exactly ``TEXT_CARD`` pieces."""
+def checkpoint(personaplex_checkpoint) -> Path:
+    """The tiny PersonaPlex, with the toy tokenizer of exactly ``TEXT_CARD`` pieces."""
     import sentencepiece
 
-    folder = tmp_path_factory.mktemp("pp-spm")
-    for item in personaplex_checkpoint.iterdir():
-        (folder / item.name).symlink_to(item)
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS.split(". ") * 10), model_writer=model, vocab_size=TEXT_CARD,
-        character_coverage=1.0, minloglevel=2,
-    )  # fmt: skip
-    tokenizer = folder / "tokenizer_spm_32k_3.model"
-    tokenizer.unlink()
-    tokenizer.write_bytes(model.getvalue())
-    assert sentencepiece.SentencePieceProcessor(str(tokenizer)).get_piece_size() == TEXT_CARD
-    return folder
+    path = personaplex_checkpoint / "tokenizer_spm_32k_3.model"
+    assert sentencepiece.SentencePieceProcessor(str(path)).get_piece_size() == TEXT_CARD
+    return personaplex_checkpoint
 
 
 def serve(
