@@ -73,8 +73,8 @@ def test_serve_imports_neither_loadgen_nor_bench():
         "import sys\n"
         "import duplexserve.server.run as run\n"
         "from duplexserve import cli\n"
-        "run.serve = lambda config: None\n"
-        "cli.main(['serve'])\n"
+        "run.serve = lambda config, sock: sock.close()\n"
+        "cli.main(['serve', '--port', '0'])\n"
         "tools = ('duplexserve.loadgen', 'duplexserve.bench')\n"
         "print(sorted(m for m in sys.modules if m.startswith(tools)))\n"
     )
