@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import io
 import json
 import random
 import tempfile
@@ -36,25 +35,16 @@ WORDS = ("support", "agent", "billing", "account", "order", "refund", "delivery"
 
 
 def write_assets(folder: Path, lm: dict, voice_frames: int) -> str:
-    """A SentencePiece model and a ``.pt`` voice in NVIDIA's format (random embeddings,
-    a token cache of PAD, silence and tone); returns the voice's name."""
-    import sentencepiece
+    """A SentencePiece model of the LM's ``text_card`` pieces (every sampled text id is a piece,
+    so the text path runs as with the released tokenizer) and a ``.pt`` voice in NVIDIA's
+    format (random embeddings, a token cache of PAD, silence and tone); returns the voice's name."""
     import torch
 
     from duplexserve.engine_bridge.moshi.prompts import SILENCE_TOKENS, SINE_TOKENS, TEXT_PAD
+    from duplexserve.engine_bridge.moshi.toy_tokenizer import train
 
     folder.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)]
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model,
-        vocab_size=200,
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
-    (folder / "spm.model").write_bytes(model.getvalue())
+    (folder / "spm.model").write_bytes(train(lm["text_card"], corpus(lm["text_card"])))
     streams, agent = lm["n_q"] + 1, lm["n_q"] // 2
     row = [TEXT_PAD, *(t % lm["card"] for t in SILENCE_TOKENS[:agent] + SINE_TOKENS[:agent])]
     cache = torch.tensor(row).view(1, streams, 1).repeat(1, 1, 4)
@@ -64,6 +54,16 @@ def write_assets(folder: Path, lm: dict, voice_frames: int) -> str:
     name = f"random-{voice_frames}.pt"
     torch.save({"embeddings": embeddings.to(torch.bfloat16), "cache": cache}, folder / name)
     return name
+
+
+def corpus(pieces: int) -> list[str]:
+    """Lines of :data:`WORDS` and of made-up words, enough distinct text for ``pieces`` pieces
+    (32,000: about 15 s of training)."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    made_up = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 9))) for _ in range(2 * pieces)]
+    words = [*WORDS, *made_up]
+    return [" ".join(rng.choice(words) for _ in range(12)) for _ in range(max(400, pieces // 2))]
 
 
 def text_of(tokenizer, tokens: int) -> str:

@@ -12,6 +12,7 @@ writes it again.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from pathlib import Path
 
 TOY_TOKENIZER = Path(__file__).with_name("toy_tokenizer.model")
@@ -27,14 +28,16 @@ TEXT = (
 )
 
 
-def train(pieces: int = PIECES) -> bytes:
+def train(pieces: int = PIECES, lines: Iterable[str] | None = None) -> bytes:
     """A unigram model of exactly ``pieces`` pieces, ids 0-3 as the released ones (unk, bos, eos,
-    pad), no normalisation (which would add a 200 KB table); the same bytes on every run."""
+    pad), no normalisation (which would add a 200 KB table); the same bytes on every run.
+    ``lines`` (default :data:`TEXT`) must hold enough distinct text for that many pieces."""
     import sentencepiece
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(TEXT.splitlines()), model_writer=model, vocab_size=pieces,
+        sentence_iterator=iter(TEXT.splitlines() if lines is None else lines), model_writer=model,
+        vocab_size=pieces,
         hard_vocab_limit=True, model_type="unigram", normalization_rule_name="identity", pad_id=3,
         character_coverage=1.0, num_threads=1, minloglevel=2,
     )  # fmt: skip
