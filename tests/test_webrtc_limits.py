@@ -1,12 +1,14 @@
-"""WebRTC calls as an attacker makes them, each beside an honest call: a peer that stops
-acknowledging the data channel, calls made and hung up by the dozen, offers refused by a
-full server, offers naming other hosts' addresses as ICE candidates. Real aiortc peers
-(tests/webrtc_client.py) and a real server on loopback."""
+"""WebRTC calls as an attacker makes them: a peer that stops acknowledging the data channel
+(beside an honest call), calls made and hung up by the hundred, offers refused by a full
+server, offers naming other hosts' addresses as ICE candidates; and a call that ends however
+its session ends. Real aiortc peers (tests/webrtc_client.py), a real server on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import socket
 
 import httpx
@@ -15,7 +17,9 @@ import pytest
 
 pytest.importorskip("aiortc")
 
-from duplexserve.server.transports.webrtc.peer import peer_candidates
+from aiortc import RTCSessionDescription
+
+from duplexserve.server.transports.webrtc.peer import new_peer, peer_candidates
 from tests.webrtc_client import Peer, best_lag
 
 KEY = "k"
@@ -134,13 +138,17 @@ def test_a_peer_that_stops_acknowledging_the_channel_is_closed_slow_consumer(ser
 
         slow.pc.sctp._send_sack = acknowledge_nothing  # the peer's SCTP acknowledges nothing more
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
         update = {"type": "session.update", "session": {"type": "realtime", "instructions": big}}
+        for _ in range(12):  # 72 replies, 2.2 MB: past the 1 MiB the server may hold for it
+            if slow.channel.readyState != "open":  # the server ended the call
+                break
+            for _ in range(6):
+                slow.send(update)
+            await asyncio.sleep(0.1)
+        deadline = loop.time() + 20
         while (await asyncio.to_thread(server.metrics))["duplexserve_webrtc_calls_active"] > 1:  # 2 before
             assert loop.time() < deadline, "the call that reads nothing was not ended"
-            for _ in range(10):
-                slow.send(update)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
         await honest.wait_for(lambda: honest.audio().size > 24000 * 5, 20)
         await slow.close()
         await honest.close()
@@ -171,12 +179,13 @@ def test_calls_hung_up_free_their_memory_at_once(server) -> None:
     3,282 calls in 15 s took the server from 104 to 752 MB."""
 
     async def calls(n: int, offer: str) -> None:
-        async with httpx.AsyncClient(timeout=20) as http:
-            for _ in range(n):
-                answer = await http.post(server.http + "/v1/realtime/calls", content=offer, headers=SDP)
-                assert answer.status_code == 201, answer.text
-                hangup = server.http + answer.headers["location"] + "/hangup"
-                assert (await http.post(hangup, headers=SDP)).status_code == 200
+        for _ in range(n // 40):  # a connection for 80 requests: within its HTTP budget
+            async with httpx.AsyncClient(timeout=20) as http:
+                for _ in range(40):
+                    answer = await http.post(server.http + "/v1/realtime/calls", content=offer, headers=SDP)
+                    assert answer.status_code == 201, answer.text
+                    hangup = server.http + answer.headers["location"] + "/hangup"
+                    assert (await http.post(hangup, headers=SDP)).status_code == 200
 
     async def main() -> tuple[int, int]:
         peer = Peer(np.zeros(24000, np.float32))
@@ -209,9 +218,9 @@ def test_an_offer_a_full_server_refuses_costs_what_a_wrong_key_costs(server) -> 
         offer = await peer.offer()
         url = server.http + "/v1/realtime/calls"
         spent = {"unauthorized": 0.0, "full": 0.0}
-        async with httpx.AsyncClient(timeout=20) as http:
-            for _ in range(3):  # interleaved, so that both see the same load
-                for name, headers, status in (("unauthorized", unkeyed, 401), ("full", SDP, 503)):
+        for _ in range(3):  # interleaved, so that both see the same load
+            for name, headers, status in (("unauthorized", unkeyed, 401), ("full", SDP, 503)):
+                async with httpx.AsyncClient(timeout=20) as http:  # within a connection's HTTP budget
                     started = _cpu_s(server.proc.pid)
                     for _ in range(40):
                         assert (await http.post(url, content=offer, headers=headers)).status_code == status
@@ -226,3 +235,46 @@ def test_an_offer_a_full_server_refuses_costs_what_a_wrong_key_costs(server) -> 
     # The refused offer reads and checks the offer as well: a little more, never a peer connection.
     assert full < 2.0 * unauthorized + 0.1, (unauthorized, full)  # before: 3.5 times
     assert server.metrics()[counted] == refused + 120
+
+
+def endings(events: list[dict]) -> list[str]:
+    """The codes of the error events and the reasons of ``session.closed``, in order."""
+    return [e.get("reason") or e["error"]["code"] for e in events if e["type"] in ("error", "session.closed")]
+
+
+def test_a_call_ends_however_its_session_ends(server_factory) -> None:
+    """The session idle, then the server draining: each time ``session.closed`` with the
+    reason, then the peer connection closed and the call no longer counted."""
+    server = server_factory("--ice-host-addresses", "127.0.0.1", "--idle-timeout-s", "2",
+                            "--drain-grace-s", "1")  # fmt: skip
+
+    async def main() -> tuple[list[str], list[str]]:
+        mute = new_peer([])  # hears, says nothing: idle
+        mute.addTransceiver("audio", direction="recvonly")
+        channel = mute.createDataChannel("oai-events")
+        events: list[dict] = []
+        channel.on("message", lambda message: events.append(json.loads(message)))
+        await mute.setLocalDescription(await mute.createOffer())
+        async with httpx.AsyncClient(timeout=20) as http:
+            answer = await http.post(server.http + "/v1/realtime/calls", content=mute.localDescription.sdp,
+                                     headers={"Content-Type": "application/sdp"})  # fmt: skip
+        await mute.setRemoteDescription(RTCSessionDescription(answer.text, "answer"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while mute.connectionState != "closed":
+            assert loop.time() < deadline, f"the idle call was not ended: {events}"
+            await asyncio.sleep(0.05)
+        assert (await asyncio.to_thread(server.metrics))["duplexserve_webrtc_calls_active"] == 0
+        await mute.close()
+        idle = endings(events)
+        live = Peer(np.full(24000 * 30, 0.1, np.float32))
+        assert await live.connect(server.http) == 201
+        await live.wait_for(lambda: live.audio().size > 4800)
+        server.proc.send_signal(signal.SIGTERM)
+        await live.wait_for(lambda: live.pc.connectionState == "closed", 15)
+        await live.close()
+        return idle, endings(live.events)
+
+    idle, drained = asyncio.run(main())
+    assert idle == ["idle_timeout", "idle_timeout"]  # the error, then session.closed
+    assert drained == ["server_shutdown", "server_shutdown"]

@@ -37,12 +37,13 @@ from duplexserve.config import ServerConfig
 from duplexserve.server import auth
 from duplexserve.server.client_secrets import ClientSecrets
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.core.client_address import client_of
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.http_errors import http_error
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
 from duplexserve.server.request_body import BodyTooLarge, parse_json, read_body
 from duplexserve.server.transports.webrtc import peer as webrtc_peer
-from duplexserve.server.transports.webrtc.call import WebRTCCall
+from duplexserve.server.transports.webrtc.call import WebRTCCall, refusal_status
 from duplexserve.server.transports.webrtc.clock import PlayClock
 from duplexserve.server.transports.webrtc.jitter import JitterCounts
 
@@ -150,6 +151,12 @@ class WebRTCCalls:
                 return http_error(401, "invalid_api_key", "a valid API key or client secret is required")
         answered = False
         try:  # a secret is spent by an answered call only, whatever else happens
+            refusal = self.orch.refusal(client_of(request.scope))  # full, draining: before any work
+            if refusal is not None:
+                self.orch.rejected(refusal)
+                self.outcomes["refused"] += 1
+                code, error, message = refusal
+                return http_error(refusal_status(code, error), error, message)
             try:
                 sdp, session_config = await self._offer(request)
             except BodyTooLarge as exc:

@@ -51,6 +51,11 @@ MAX_UNSENT = 256
 LINGER_S = 0.2
 
 
+def refusal_status(code: int, error: str) -> int:
+    """The HTTP status that refuses an offer for what closes a WebSocket with ``code``."""
+    return 429 if error == "too_many_sessions" else 503 if code == errors.TRY_AGAIN else 403
+
+
 class DataChannel:
     """The call's ``oai-events`` data channel: what came in, queued for the reader; what goes
     out, held until the channel opens.
@@ -177,8 +182,7 @@ class WebRTCCall:
 
     async def refuse(self, code: int, error: str, message: str) -> bool:
         """A refusal is the HTTP answer to the offer, not an event on a channel."""
-        status = 429 if error == "too_many_sessions" else 503 if code == errors.TRY_AGAIN else 403
-        self.opened((status, error, message))
+        self.opened((refusal_status(code, error), error, message))
         return True
 
     async def accept(self, subprotocol: str | None = None) -> None:
