@@ -55,6 +55,11 @@ class AddressBuckets:
         bucket = self._buckets.get(address)
         return bucket is not None and not bucket.has(now)
 
+    def has(self, address: str, now: float, cost: float = 1.0) -> bool:
+        """Whether ``address``'s bucket holds ``cost`` (a new address's would)."""
+        bucket = self._buckets.get(address)
+        return bucket is None or bucket.has(now, cost)
+
     def _forget(self, now: float) -> None:
         buckets = self._buckets
         for address in [a for a, b in buckets.items() if b.full(now)]:

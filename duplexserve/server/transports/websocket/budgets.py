@@ -118,6 +118,15 @@ class ParseMeter:
         assert self._addresses is not None
         return self._addresses.take(address, now, seconds)
 
+    def address_has(self, address: str, now: float, seconds: float) -> bool:
+        assert self._addresses is not None
+        return self._addresses.has(address, now, seconds)
+
+
+#: What a text message is taken to cost before it is handled (dense JSON, as numbers, is 11-20
+#: ns a byte to ``json.loads``; Realtime's base64 audio less): a message its budget cannot hold
+#: at this rate is refused unhandled.
+PARSE_S_PER_BYTE = 1e-8
 
 DEFAULT_LIMITS = RateLimits()
 #: No budget (the slices still apply): the fast path of the benchmarks' echo floors.
@@ -164,7 +173,8 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.meter = Meter(self.limits, self.loop.time())
-        self._parse_bucket: Bucket | None = None  # made at the first text message
+        self._parse_started = False  # the buckets below are made at the first text message
+        self._parse_bucket: Bucket | None = None
         self._parse_address: str | None = None
         self._yielding = False  # a slice's continuation is scheduled; reading paused meanwhile
         self._dropping = False  # over a budget: nothing more is read or parsed
@@ -188,23 +198,43 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         if meter.frames < 0 or meter.controls < 0:
             self._short()
 
+    def _affords(self, size: int) -> bool:
+        """Whether a text message of ``size`` bytes may be handled: its budgets hold what it
+        would cost at :data:`PARSE_S_PER_BYTE`; else the connection is closed or dropped
+        now, before it is handled (a 1 MB message is 10-20 ms of the loop)."""
+        parse = self.parse
+        if parse is None:
+            return True
+        if not self._parse_started:
+            self._parse_started = True
+            self._parse_bucket = parse.connection(self.loop.time())
+            self._parse_address = parse.address(self.client)
+        bucket, address = self._parse_bucket, self._parse_address
+        if bucket is None and address is None:
+            return True
+        now, cost = self.loop.time(), size * PARSE_S_PER_BYTE
+        if bucket is not None and not bucket.has(now, cost):
+            self._over("parse_ms_per_s")
+            return False
+        if address is not None and not parse.address_has(address, now, cost):
+            self._over("address_parse_ms_per_s")
+            return False
+        return True
+
     def _parsed(self, seconds: float) -> None:
-        """Charge the loop's time handling one text message (:class:`ParseMeter`); a
-        connection over its budget or its address's is closed or dropped."""
+        """Charge the loop's time handling one text message (:class:`ParseMeter`), after
+        :meth:`_affords`; a connection over its budget or its address's is closed or dropped."""
         parse = self.parse
         if parse is None:
             return
         parse.spent_s += seconds
+        bucket, address = self._parse_bucket, self._parse_address
+        if bucket is None and address is None:
+            return
         now = self.loop.time()
-        bucket = self._parse_bucket
-        if bucket is None:
-            bucket = self._parse_bucket = parse.connection(now)
-            self._parse_address = parse.address(self.client)
-            if bucket is None and self._parse_address is None:
-                return
         if bucket is not None and not bucket.take(now, seconds):
             self._over("parse_ms_per_s")
-        elif self._parse_address is not None and not parse.take_address(self._parse_address, now, seconds):
+        elif address is not None and not parse.take_address(address, now, seconds):
             self._over("address_parse_ms_per_s")
 
     def _short(self) -> bool:

@@ -307,6 +307,8 @@ class FastWebSocketProtocol(MeteredProtocol):
         if self.close_sent:
             return  # past our close: reading on only for the peer's reply
         if is_text:
+            if not self._affords(len(data)):  # refused unread: its budget cannot hold it
+                return
             try:
                 message: Any = data.decode()
             except UnicodeDecodeError:
