@@ -31,8 +31,8 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.core.token_buckets import AddressBuckets, Bucket, address_key
 from duplexserve.server.overload import OverloadManager
-from duplexserve.server.token_buckets import AddressBuckets, Bucket, address_key
 
 log = logging.getLogger("duplexserve")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from duplexserve.server.token_buckets import AddressBuckets, Bucket
+from duplexserve.server.core.token_buckets import AddressBuckets, Bucket
 
 #: How often the loop's lag is probed (a timer due this often; its lateness is the lag).
 PROBE_S = 0.05

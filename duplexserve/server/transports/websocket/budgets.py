@@ -39,7 +39,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from duplexserve.errors import POLICY
 from duplexserve.server.core.budgets import over_budget
-from duplexserve.server.token_buckets import AddressBuckets, Bucket, address_key
+from duplexserve.server.core.token_buckets import AddressBuckets, Bucket, address_key
 
 log = logging.getLogger("duplexserve")
 
