@@ -15,6 +15,8 @@ tokenizer and the engine restarted on.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,10 @@ from tests.twilio_client import FakeTwilio
 pytest.importorskip("moshi")
 
 TEXT_CARD = 64  # tiny-personaplex's, as the released model's tokenizer has its 32,000
+#: Text, the agent's 4 codebooks, the user's 4: acoustic codebooks two frames late, as Hibiki's
+#: (the released PersonaPlex's are one frame late, like Moshi 7B's). A prompt's row then reads
+#: LMGen's token cache on either side of the prompt's last position before a step writes it.
+DELAYS = [0, 0, 2, 2, 2, 0, 2, 2, 2]
 PIRATE = {"text_prompt": "You are a pirate."}
 PERSONA = {"text_prompt": "Help desk.", "voice_prompt": "voice.pt"}
 VOICE = {"voice_prompt": "voice.wav"}
@@ -41,13 +47,21 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(personaplex_checkpoint) -> Path:
-    """The tiny PersonaPlex, with the toy tokenizer of exactly ``TEXT_CARD`` pieces."""
+def checkpoint(personaplex_checkpoint, tmp_path_factory) -> Path:
+    """The tiny PersonaPlex with its acoustic codebooks two frames late (``DELAYS``), and the
+    toy tokenizer of exactly ``TEXT_CARD`` pieces: the checkpoint's own files, its config.json
+    giving the delays (the preset supplies the rest, as for the released stub)."""
     import sentencepiece
 
-    path = personaplex_checkpoint / "tokenizer_spm_32k_3.model"
+    folder = tmp_path_factory.mktemp("pp-delay2")
+    for item in personaplex_checkpoint.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = {"model_type": "personaplex", "version": "7b-v1", "delays": DELAYS}
+    (folder / "config.json").write_text(json.dumps(config))
+    path = folder / "tokenizer_spm_32k_3.model"
     assert sentencepiece.SentencePieceProcessor(str(path)).get_piece_size() == TEXT_CARD
-    return personaplex_checkpoint
+    return folder
 
 
 def serve(
@@ -175,8 +189,9 @@ def test_an_output_that_fails_to_render_ends_its_session_alone(checkpoint, tmp_p
     """The 6th text piece the engine renders, or the 6th answer the loop hands a session,
     raises (tests/faults/sitecustomize.py): that session ends with internal_error and its
     counts, logged once and counted; the step, the engine and the other session go on."""
-    faults = str(Path(__file__).parent / "faults")
-    env = {"PYTHONPATH": faults, "DUPLEXSERVE_TEST_FAULT": f"{where}:6"}
+    tests = Path(__file__).parent  # the tree under test first: sitecustomize imports from it
+    env = {"PYTHONPATH": os.pathsep.join((str(tests / "faults"), str(tests.parent))),
+           "DUPLEXSERVE_TEST_FAULT": f"{where}:6"}  # fmt: skip
     server = serve(tmp_path, checkpoint, 2, env=env)
     try:
         results = run(_two(server))
