@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 
+from duplexserve.server.core.client_address import client_key, parse_ip
+
 #: Addresses with a bucket at most; past it, full buckets (nothing owed) are forgotten first.
 MAX_ADDRESSES = 16384
 
@@ -68,19 +70,15 @@ class AddressBuckets:
             del buckets[next(iter(buckets))]
 
 
-def address_key(client: tuple[str, int] | None, proxies: list[str]) -> str | None:
-    """The address a connection's requests are charged to: the peer's (IPv6 by /64), or
-    None for a trusted proxy (``*`` trusts every peer) or a peer with no address."""
+def address_key(client: tuple[str, int] | None, proxies: list[str], ipv6_prefix: int = 64) -> str | None:
+    """The address a connection's requests are charged to: the peer's, counted as the
+    per-client quotas count it (``client_key``: IPv6 by its network), or None for a trusted
+    proxy (``*`` trusts every peer) or a peer with no address."""
     if client is None or "*" in proxies:
         return None
-    try:
-        ip = ipaddress.ip_address(client[0])
-    except ValueError:  # a Unix socket's peer
+    ip = parse_ip(client[0])
+    if ip is None:  # a Unix socket's peer
         return None
     if any(ip in ipaddress.ip_network(p, strict=False) for p in proxies):
         return None
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
+    return client_key(client[0], ipv6_prefix)
