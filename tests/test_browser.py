@@ -66,7 +66,8 @@ def test_page_and_assets_are_served(echo_server) -> None:
     assert 'src="static/app.js"' in page.text
     # Its own files only: no inline script, nothing from another origin (a violation is a
     # console error, which the tests below count).
-    assert "http-equiv=\"Content-Security-Policy\"" in page.text and "default-src 'none'" in page.text
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
     for name in ("app.js", "worklet.js"):
         asset = httpx.get(f"{echo_server.http}/static/{name}", timeout=5)
         assert asset.status_code == 200

@@ -56,6 +56,12 @@ PROTOCOLS: dict[str, type[ProtocolAdapter]] = {
 }
 # The talk page at / (docs/deploy.md): plain files, no build step.
 STATIC_DIR = Path(__file__).with_name("static")
+#: The talk page's own files only: no inline script, nothing from another origin, and no
+#: other site may frame it (a header: a <meta> policy cannot say frame-ancestors).
+TALK_PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "media-src 'self'; base-uri 'self'; form-action 'none'; frame-ancestors 'none'"
+)
 #: Routes that need a key when --api-keys names any, checked before FastAPI sees them:
 #: FastAPI's own (the schema and its pages) take no dependency.
 DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json"})
@@ -189,7 +195,7 @@ class DuplexApp:
 
         @app.get("/", include_in_schema=False)
         async def index() -> FileResponse:
-            return FileResponse(STATIC_DIR / "index.html")
+            return FileResponse(STATIC_DIR / "index.html", headers={"Content-Security-Policy": TALK_PAGE_CSP})
 
         app.get("/v1/models")(models_route(self.config))
         app.get("/v1/voices")(personas.voices_route(self.config, orch))  # voice prompts (PersonaPlex)
