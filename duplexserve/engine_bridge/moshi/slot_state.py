@@ -10,14 +10,11 @@ its per-row tensors and their batch axis; the engine adds its own per-row tensor
 (PersonaPlex's held user codes) with :meth:`SlotState.add`. What a fresh row holds is read
 off the states as ``streaming_forever`` built them, before any step: a reset row gets
 exactly that back, whatever its last session did, so a reused slot starts where a fresh
-engine's does. Two kinds of tensor are not rewritten by a reset, because nothing can read
-them until the row writes them again:
-
-- a KV ring's keys and values (and their scales): a row reads only the slots below its own
-  offsets (``end_offset``, the transformer's clock), which the reset sets to zero; each
-  step writes the slot it then reads. Rewriting them would cost a whole ring per reset.
-- nothing else: LMGen's token cache, Mimi's convolution buffers, every offset and every
-  engine-side tensor are rewritten.
+engine's does: LMGen's token cache, Mimi's convolution buffers, every offset and every
+engine-side tensor. One kind is left, because nothing can read it until the row writes it
+again: a KV ring's keys and values (and their scales). A row reads only the ring slots below
+its own offsets (``end_offset``, the transformer's clock), which the reset sets to zero, and
+each step writes the slot it then reads; rewriting them would cost a whole ring per reset.
 
 Under classifier-free guidance the LM's modules hold every row twice (conditioned, then
 unconditioned); their tensors' batch axis has ``2 * rows`` entries and a row's reset
