@@ -147,3 +147,17 @@ def test_unauthenticated_reconnects_do_not_flood_the_log(server_factory):
 
     asyncio.run(main())
     assert len(server.log().splitlines()) - before < 5
+
+
+
+def test_a_client_of_another_host_is_charged_its_addresss_parse_budget():
+    """Loopback clients (every test's server's) skip the per-address parse budget, so only a
+    client of another host reaches it: a docker container's, served from the bridge's
+    address. Its first text message raised a TypeError there, and the session ended."""
+    from duplexserve.server.transports.websocket.budgets import ParseLimits, ParseMeter
+
+    meter = ParseMeter(ParseLimits(address_ms_per_s=100.0), proxies=[])
+    address = meter.address(("172.17.0.1", 50000))
+    assert address == "172.17.0.1" and meter.address(("127.0.0.1", 1)) is None
+    assert meter.address_has(address, 0.0, 0.01) and meter.take_address(address, 0.0, 0.01)
+    assert not meter.take_address(address, 0.0, 1.0)  # 100 ms a second, a second of it at once

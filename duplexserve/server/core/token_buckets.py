@@ -44,13 +44,14 @@ class AddressBuckets:
         self.rate, self.burst_s = rate, burst_s
         self._buckets: dict[str, Bucket] = {}
 
-    def take(self, address: str, now: float) -> bool:
+    def take(self, address: str, now: float, cost: float = 1.0) -> bool:
+        """Spend ``cost`` of ``address``'s bucket if it holds it (a new address's is full)."""
         bucket = self._buckets.get(address)
         if bucket is None:
             if len(self._buckets) >= MAX_ADDRESSES:
                 self._forget(now)
             bucket = self._buckets[address] = Bucket(self.rate, self.burst_s, now)
-        return bucket.take(now)
+        return bucket.take(now, cost)
 
     def spent(self, address: str, now: float) -> bool:
         """Whether ``address`` has nothing left for even one request."""
