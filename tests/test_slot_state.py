@@ -26,12 +26,14 @@ PROMPT = {"text_prompt": "hello duplex"}
 OTHER = {"text_prompt": "You are a wise teacher."}
 
 
-def engine_of(preset: str, checkpoint: Path | None = None, cache_mb: int = 1024) -> MoshiEngine:
+def engine_of(
+    preset: str, checkpoint: Path | None = None, cache_mb: int = 1024, cfg: float = 1.0
+) -> MoshiEngine:
     """One slot of ``preset`` (with ``checkpoint``'s weights, tokenizer and voices)."""
     engine = MoshiEngine(
         1, preset, weights=str(checkpoint or ""), context=CONTEXT, sampling=Sampling(greedy=True),
         threads=1, dtype="float64", voice_dir=str(checkpoint / "voices") if checkpoint else "",
-        prompt_cache_mb=cache_mb,
+        prompt_cache_mb=cache_mb, cfg_coef=cfg,
     )  # fmt: skip
     engine.start()
     return engine
@@ -46,7 +48,9 @@ def session(engine: MoshiEngine, frames: np.ndarray, params: dict[str, Any] | No
     trace = []
     for frame in frames:
         result = engine.step(np.array([0]), frame[None])
-        state = [e.tensor.narrow(e.axis, 0, 1).clone() for e in engine._slots.entries if e.fresh is not None]
+        slots = engine._slots
+        rows = [e.by_copy(slots.rows).narrow(e.axis + 1, 0, 1) for e in slots.entries if e.fresh is not None]
+        state = [r.clone() for r in rows]
         trace.append((state, result.audio.copy(), engine._text_np[:1].copy()))
     engine.close(0)
     return trace
@@ -60,11 +64,14 @@ def assert_same(got: list[Any], want: list[Any]) -> None:
         np.testing.assert_array_equal(text, text0, err_msg=f"step {step}")
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hibiki", "tiny-zero"])
-def test_a_reused_slot_answers_as_a_fresh_one(preset):
+@pytest.mark.parametrize(
+    ("preset", "cfg"), [("tiny", 1.0), ("tiny-hibiki", 1.0), ("tiny-hibiki", 3.0), ("tiny-zero", 1.0)]
+)
+def test_a_reused_slot_answers_as_a_fresh_one(preset, cfg):
+    """Under guidance (``cfg`` 3) the LM holds each slot's rows twice, conditioned and not."""
     x, other = signal(5, 6), signal(9, 11)
-    want = session(engine_of(preset), x, None)
-    engine = engine_of(preset)
+    want = session(engine_of(preset, cfg=cfg), x, None)
+    engine = engine_of(preset, cfg=cfg)
     session(engine, other, None)
     engine.end_input(0, 3)  # an earlier session that ended its input, too
     session(engine, other, None)

@@ -23,6 +23,7 @@ covers both.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -66,13 +67,18 @@ class UnknownState(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RowTensor:
-    """One per-row tensor: its batch ``axis`` holds ``copies`` rows a slot (2 under
-    guidance); ``fresh`` is a fresh row's content (None: a ring's data, never reset)."""
+    """One per-row tensor: its batch ``axis`` holds ``copies`` rows a slot (2 under guidance:
+    all the conditioned rows, then all the unconditioned ones); ``fresh`` is a fresh slot's
+    content, one row of each copy (None: a ring's data, never reset)."""
 
     tensor: torch.Tensor
     axis: int
     copies: int
     fresh: torch.Tensor | None
+
+    def by_copy(self, rows: int) -> torch.Tensor:
+        """The tensor with its batch axis split in two, (copies, rows): a view."""
+        return self.tensor.unflatten(self.axis, (self.copies, rows))
 
 
 class SlotState:
@@ -90,16 +96,17 @@ class SlotState:
             for owner, name, tensor, axis in per_row(state, rows):
                 if id(tensor) not in seen:
                     seen.add(id(tensor))
-                    ring_data = owner is not state and name in _RING_DATA
-                    self._append(tensor, axis, None if ring_data else _fresh(tensor, axis))
+                    self._append(tensor, axis, fresh=owner is state or name not in _RING_DATA)
 
     def add(self, tensor: torch.Tensor, axis: int = 0) -> None:
         """An engine-side per-row tensor, as it is now (every row fresh)."""
-        self._append(tensor, axis, _fresh(tensor, axis))
+        self._append(tensor, axis)
 
-    def _append(self, tensor: torch.Tensor, axis: int, fresh: torch.Tensor | None) -> None:
-        copies = tensor.shape[axis] // self.rows
-        self.entries.append(RowTensor(tensor, axis, copies, fresh))
+    def _append(self, tensor: torch.Tensor, axis: int, fresh: bool = True) -> None:
+        entry = RowTensor(tensor, axis, tensor.shape[axis] // self.rows, None)
+        if fresh:  # every row is alike when it is taken: row 0 of each copy
+            entry = dataclasses.replace(entry, fresh=entry.by_copy(self.rows).narrow(axis + 1, 0, 1).clone())
+        self.entries.append(entry)
 
     @property
     def doubled(self) -> bool:
@@ -112,28 +119,10 @@ class SlotState:
         for entry in self.entries:
             if entry.fresh is None:
                 continue
-            rows = mask.repeat(entry.copies) if entry.copies != 1 else mask
-            shape = [1] * entry.tensor.dim()
-            shape[entry.axis] = len(rows)
-            entry.tensor.copy_(torch.where(rows.view(shape), entry.fresh, entry.tensor))
-
-    def differences(self, row: int) -> list[str]:
-        """Where row ``row`` is not a fresh row (``tensor N [shape]``), rings' data aside: what
-        a test checks after a reset."""
-        out = []
-        for i, entry in enumerate(self.entries):
-            if entry.fresh is None:
-                continue
-            for copy in range(entry.copies):
-                got = entry.tensor.narrow(entry.axis, row + copy * self.rows, 1)
-                if not torch.equal(got, entry.fresh.expand_as(got)):
-                    out.append(f"tensor {i} {tuple(entry.tensor.shape)}")
-        return out
-
-
-def _fresh(tensor: torch.Tensor, axis: int) -> torch.Tensor:
-    """Row 0 of ``tensor`` (every row is alike when it is taken), kept as a size-1 axis."""
-    return tensor.narrow(axis, 0, 1).clone()
+            rows = entry.by_copy(self.rows)
+            shape = [1] * rows.dim()
+            shape[entry.axis + 1] = self.rows
+            rows.copy_(torch.where(mask.view(shape), entry.fresh, rows))
 
 
 def per_row(state: Any, rows: int) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
