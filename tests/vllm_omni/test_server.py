@@ -50,6 +50,8 @@ def vo_server(tmp_path_factory):
         "--vllm-omni-standin",
         "--max-sessions",
         "16",
+        "--model",
+        "moshi-test",  # the name the Realtime SDK asks for (rt.sdk_session)
         "--api-keys",
         rt.KEY,
         "--allowed-origins",

@@ -85,6 +85,8 @@ class VllmOmniOutput:
     duration_s: float = 0.0
     tick_lag_s: float | None = None  # vLLM-Omni steps on its own schedule: no step clock here
     catch_up: bool = False
+    arrived_past_due_s: float = 0.0
+    gil_wait_s: float = 0.0  # vLLM-Omni's answers arrive on the loop itself: nothing waits for the GIL
 
 
 class _Slot:
@@ -206,6 +208,10 @@ class VllmOmniBridge:
 
     def abandon(self) -> None:
         """Part of the bridge interface; vLLM-Omni has its own engine liveness, so a no-op."""
+
+    def take_gil_wait(self) -> float:
+        """For the overload manager, as ``EngineBridge``'s: no engine thread waits here."""
+        return 0.0
 
     def qsize(self) -> int:
         if self.engine is None or self._putter is None:
