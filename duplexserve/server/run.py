@@ -159,7 +159,7 @@ def websocket_protocol(
         return ws
     problem = fallback_problem()
     if problem is None:
-        return budgeted(SansIOFallback, limits)
+        return budgeted(SansIOFallback, limits, parse)
     log.warning("uvicorn's websockets-sansio protocol served without per-connection budgets: %s", problem)
     return ws
 

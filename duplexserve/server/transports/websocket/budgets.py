@@ -59,9 +59,14 @@ DROP_LINGER_S = 2.0
 #: checked once at start-up (protocol.py).
 METERED_STATE = (
     "loop", "queue", "conn", "client", "handshake_initiated", "handshake_complete", "close_sent",
-    "close_timer", "read_paused",
+    "close_timer", "read_paused", "frames", "curr_msg_data_type",
 )  # fmt: skip
-METERED_METHODS = ("data_received", "receive")
+METERED_METHODS = (
+    "data_received", "receive", "handle_connect", "send_receive_event_to_app", "connection_lost",
+)  # fmt: skip
+#: The scope extension by which the ASGI path's reader charges a text message's handling
+#: (``{"charge": seconds -> None}``): uvicorn queues the message, the app handles it later.
+PARSE_EXTENSION = "duplexserve.parse_charge"
 METERED_WEBSOCKETS_METHODS = ("send_close", "data_to_send")
 
 
@@ -220,6 +225,28 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
             self._over("address_parse_ms_per_s")
             return False
         return True
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None and self.parse is not None:
+            scope["extensions"][PARSE_EXTENSION] = {"charge": self._parsed}
+
+    def send_receive_event_to_app(self) -> None:
+        """The ASGI path (uvicorn queues each message for the app): a text message its parse
+        budgets cannot hold is refused unread, as on the fast path; the app's reader charges
+        the handling of the others (:data:`PARSE_EXTENSION`, ``AsgiDriver``)."""
+        text = self.curr_msg_data_type == "text" and not self.close_sent
+        if text and not self._affords(sum(len(f) for f in self.frames)):
+            self.frames = []
+            return
+        super().send_receive_event_to_app()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # no cycle (scope, charge, protocol) left to the collector
+            scope["extensions"].pop(PARSE_EXTENSION, None)
 
     def _parsed(self, seconds: float) -> None:
         """Charge the loop's time handling one text message (:class:`ParseMeter`), after

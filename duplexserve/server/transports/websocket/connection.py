@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,10 @@ import numpy as np
 from duplexserve import errors
 from duplexserve.config import ServerConfig
 from duplexserve.server import auth
+from duplexserve.server.core.eager import run_eager
 from duplexserve.server.core.session import Session, no_notify
 from duplexserve.server.core.tasks import TaskDriver
-from duplexserve.server.transports.websocket.budgets import OVER_BUDGET
+from duplexserve.server.transports.websocket.budgets import OVER_BUDGET, PARSE_EXTENSION
 from duplexserve.server.transports.websocket.fast import FastPath
 from duplexserve.server.transports.websocket.protocol import EXTENSION
 
@@ -38,11 +40,15 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 class AsgiDriver(TaskDriver):
     """The ASGI path's reader reads ASGI messages; a disconnect whose reason names a budget
-    (transports/websocket/budgets.py) is remembered for the session's close."""
+    (transports/websocket/budgets.py) is remembered for the session's close. A text message's
+    handling up to its first wait is charged to the connection's parse budgets, as the fast
+    path charges it (``charge``: the protocol's, through the scope; None: no budgets)."""
 
-    def __init__(self, adapter: ProtocolAdapter, receive: Receive) -> None:
+    def __init__(self, adapter: ProtocolAdapter, receive: Receive,
+                 charge: Callable[[float], None] | None = None) -> None:  # fmt: skip
         super().__init__(adapter, None)  # type: ignore[arg-type]
         self._asgi_receive = receive
+        self._charge = charge
         self.over_budget: str | None = None
 
     async def read_loop(self, session: Session) -> None:
@@ -60,7 +66,14 @@ class AsgiDriver(TaskDriver):
                     self.over_budget = reason[len(OVER_BUDGET):]
                 return
             data = message.get("bytes")
-            await adapter.receive(data if data is not None else message.get("text") or "")
+            if data is not None or self._charge is None:
+                await adapter.receive(data if data is not None else message.get("text") or "")
+                continue
+            started = time.thread_time()
+            lane = run_eager(adapter.receive(message.get("text") or ""))
+            self._charge(time.thread_time() - started)  # over budget: the next receive says so
+            if lane is not None:
+                await lane
 
 
 class WebSocketTransport(FastPath):
@@ -104,7 +117,8 @@ class WebSocketTransport(FastPath):
         sock = self.scope.get("extensions", {}).get(EXTENSION, {}).get("socket")
         try:
             if sock is None or self.config.offload_every_frame:
-                driver = self._driver = AsgiDriver(adapter, self._receive)
+                charge = self.scope.get("extensions", {}).get(PARSE_EXTENSION, {}).get("charge")
+                driver = self._driver = AsgiDriver(adapter, self._receive, charge)
                 await driver.serve(session, lambda s: adapter.client_gone(s, driver.over_budget))
             else:
                 await self._serve_fast(adapter, session, sock)

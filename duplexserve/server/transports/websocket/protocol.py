@@ -77,8 +77,7 @@ UVICORN_STATE = (
     *METERED_STATE, "config", "disconnected", "close_timeout", "writable", "frames", "curr_msg_data_type",
 )  # fmt: skip
 UVICORN_METHODS = (
-    *METERED_METHODS, "handle_connect", "handle_events", "handle_parser_exception", "handle_ping",
-    "send_receive_event_to_app", "resume_writing", "connection_lost", "send",
+    *METERED_METHODS, "handle_events", "handle_parser_exception", "handle_ping", "resume_writing", "send",
 )  # fmt: skip
 #: And of websockets' sans-I/O ``ServerProtocol`` (besides ``current_size``/``cur_size``).
 WEBSOCKETS_STATE = ("state", "extensions", "parser_exc", "close_sent")
