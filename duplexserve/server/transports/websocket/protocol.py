@@ -74,7 +74,7 @@ def _ignore(*_: Any) -> None:
 #: protocol interface and what its base reads (``budgets.METERED_*``): instance state
 #: set in ``__init__``, and the methods it overrides or calls.
 UVICORN_STATE = (
-    *METERED_STATE, "config", "disconnected", "close_timeout", "writable", "frames", "curr_msg_data_type",
+    *METERED_STATE, "config", "disconnected", "close_timeout", "writable",
 )  # fmt: skip
 UVICORN_METHODS = (
     *METERED_METHODS, "handle_events", "handle_parser_exception", "handle_ping", "resume_writing", "send",
