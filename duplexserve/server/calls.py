@@ -129,7 +129,7 @@ class WebRTCCalls:
         return auth.key_ok(request.scope, dict(request.query_params), auth.parse_list(self.config.api_keys))
 
     def _refused(self, request: Request) -> JSONResponse | None:
-        if not auth.origin_ok(request.scope, auth.parse_list(self.config.allowed_origins)):
+        if not auth.origin_allowed(request.scope, auth.parse_list(self.config.allowed_origins)):
             self.outcomes["forbidden"] += 1
             return http_error(403, "origin_not_allowed", "this Origin may not connect")
         return None

@@ -25,7 +25,7 @@ def voices_route(config: ServerConfig, orch: Orchestrator) -> Callable[[Request]
     prompts), in OpenAI's list shape; the key and Origin checked as for the WebSockets."""
 
     async def voices(request: Request) -> Response:
-        if not auth.origin_ok(request.scope, auth.parse_list(config.allowed_origins)):
+        if not auth.origin_allowed(request.scope, auth.parse_list(config.allowed_origins)):
             return http_error(403, "origin_not_allowed", "this Origin may not connect")
         if not auth.key_ok(request.scope, dict(request.query_params), auth.parse_list(config.api_keys)):
             return http_error(401, "invalid_api_key", "a valid API key is required")

@@ -2,7 +2,8 @@
 
 Runs on the event-loop thread only. It hands each session's ready frames to the
 bridge, routes every engine step's rows back to their sessions (checking the slot's
-generation), frees slots when sessions close, and sweeps idle sessions once a second.
+generation) and frees slots when sessions close. Who gets a slot is core/admission.py;
+the twice-a-second sweep (timeouts, a stalled engine rebuilt) is core/sweeper.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from duplexserve.server.core.admission import Admission
 from duplexserve.server.core.readiness import Readiness
 from duplexserve.server.core.resume import ResumeRegistry
 from duplexserve.server.core.session import Limits, Session, State, no_notify
+from duplexserve.server.core.sweeper import ENGINE_LOST, Sweeper
 from duplexserve.server.core.turnaround import TurnaroundTotals
 
 log = logging.getLogger(__name__)
@@ -31,8 +33,6 @@ log = logging.getLogger(__name__)
 #: How long the loop lets sessions send their answers before it polls its sockets again.
 DISPATCH_SLICE_S = 0.002
 DISPATCH_CHECK_ROWS = 16  # sessions between two looks at the clock
-#: What a session hears when the engine holding its model state failed (docs/protocol.md, guarantees).
-_ENGINE_LOST = "the engine failed and restarts: this conversation's model state is lost"
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ class Counts:
     output_failures: int = 0  # sessions ended because their output could not be handed on
 
 
-class Orchestrator(Admission):
+class Orchestrator(Admission, Sweeper):
     def __init__(
         self,
         engine: Engine,
@@ -291,7 +291,7 @@ class Orchestrator(Admission):
                     if session is not None and session.generation == generation:
                         session.error(errors.SessionError(
                             out.error,
-                            getattr(out, "message", "") or _ENGINE_LOST,
+                            getattr(out, "message", "") or ENGINE_LOST,
                             getattr(out, "close_code", errors.INTERNAL),
                         ))
                         touched[id(session)] = session
@@ -350,59 +350,3 @@ class Orchestrator(Admission):
             if self._by_slot[slot] is session:
                 self.pump(session)
                 session.notify()
-
-    # ---------------------------------------------------------------------- sweep
-    async def _rebuild_engine(self) -> None:
-        """The engine is stuck in a step: fail every session and start a fresh engine."""
-        stalled = self.bridge
-        lost = self.sessions()
-        log.error(
-            "engine restart (cause: stalled, a step ran over %.1f s): %d sessions lost their model "
-            "state and end with engine_error", self.engine_stall_s, len(lost),
-        )  # fmt: skip
-        stalled.abandon()
-        stalled.counts.sessions_ended_by_restart["stalled"] += len(lost)
-        for session in lost:
-            session.error(errors.SessionError(
-                "engine_error", f"the engine stopped answering; {_ENGINE_LOST}", errors.INTERNAL
-            ))
-            self._release(session)
-            session.notify()
-        if self.engine_factory is None:  # /ready stays 503: the abandoned bridge is not running
-            log.error("no engine factory: the server stays not ready")
-            return
-        try:
-            engine = self.engine_factory()
-            bridge = self._new_bridge(engine, stalled.counts)
-            self.bridge, self.engine = bridge, engine
-            await bridge.start()
-            bridge.counts.engine_restarts += 1
-        except Exception:
-            log.exception("could not start a new engine; the server stays not ready")
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                await self._sweep_once()
-            except Exception:
-                log.exception("session sweep failed")
-
-    async def _sweep_once(self) -> None:
-        self._pump_waiting()  # a safety net: results normally do this at once
-        started = self.bridge.step_started
-        if started and not self.bridge.abandoned and time.monotonic() - started > self.engine_stall_s:
-            await self._rebuild_engine()
-        now = asyncio.get_running_loop().time()
-        for session in self.sessions():
-            if self.max_session_s and now - session.started > self.max_session_s:
-                self.close(session, "max_duration", errors.NORMAL)
-            elif (
-                self.idle_timeout_s
-                and not session.detached  # the resume grace bounds those
-                and session.state in (State.CREATED, State.STREAMING)
-                and session.inflight == 0
-                and not session.input_paused
-                and now - session.last_activity > self.idle_timeout_s
-            ):
-                self.close(session, "idle_timeout", errors.NORMAL)

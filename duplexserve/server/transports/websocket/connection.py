@@ -96,7 +96,7 @@ class WebSocketTransport(FastPath):
         message = await self._receive()
         if message["type"] != "websocket.connect":
             return
-        if not auth.origin_ok(self.scope, auth.parse_list(self.config.allowed_origins)):
+        if not auth.origin_allowed(self.scope, auth.parse_list(self.config.allowed_origins)):
             await adapter.refuse(errors.POLICY, "origin_not_allowed", "this Origin may not connect")
             return
         if not adapter.deferred_auth and not auth.key_ok(
