@@ -142,6 +142,10 @@ def test_cpu_image_serves_from_outside_as_non_root_and_turns_healthy(images) -> 
         assert pid1_uids(name) == {"10001"}
         assert "duplexserve" in sh("docker", "exec", name, "cat", "/proc/1/cmdline").stdout
 
+        # Debian's libopus is in the image and loads: Opus is not left to sphn (issue 72).
+        check = sh("docker", "exec", name, "duplexserve", "check", timeout=120, check=False).stdout.splitlines()
+        assert next(line for line in check if line.startswith("libopus")).split() == ["libopus", "loaded"], check
+
         # The image's HEALTHCHECK (every 10 s) turns the container healthy.
         wait_for("healthy", lambda: inspect(name, "{{.State.Health.Status}}") == "healthy", timeout=45)
 
@@ -486,14 +490,15 @@ def test_gpu_image_has_cuda_torch_and_moshi_as_install_moshi_pins_them(gpu_image
     # pip compiled the venv's bytecode: the server may not write it, and a process compiling
     # some 2,000 modules from source takes seconds more to start (docs/moshi-engine.md).
     probe = ("import json, os, importlib.util, torch, torch._dynamo.utils as u, moshi, "
-             "duplexserve.engine_bridge.moshi.engine; print(json.dumps("
-             "{'torch': torch.__version__, 'cuda': torch.version.cuda, 'moshi': moshi.__version__, "
+             "duplexserve.engine_bridge.moshi.engine; from duplexserve.codecs.libopus import LIBOPUS; "
+             "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+             "'moshi': moshi.__version__, 'libopus': LIBOPUS is not None, "
              "'bytecode': os.path.exists(importlib.util.cache_from_source(u.__file__))}))")
     out = sh("docker", "run", "--rm", "--entrypoint", "python", gpu_image, "-c", probe, timeout=120)
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["torch"].split("+")[0] == torch_pin and found["moshi"] == moshi_pin, found
     assert found["cuda"], f"torch {found['torch']} in the image is not a CUDA build"  # e.g. 13.0
-    assert found["bytecode"], found
+    assert found["bytecode"] and found["libopus"], found
     assert inspect(gpu_image, "{{.Config.User}}") == "10001"
 
 

@@ -68,6 +68,9 @@ def test_piped_the_summary_fits_and_explains_its_columns(echo_server):
     words = " ".join(proc.stdout.split())
     assert "RTF min/med/max: real-time factor of each session: (last answer frame received - first audio " \
            "sent) / length of the answer" in words
+    # issue 72: a session that keeps up reads just under 1 (0.992 for 10 s), never "a little above"
+    assert "paced, just under 1 keeps up: the last message leaves one message before the audio ends" in words
+    assert "a little above" not in words
     assert "\nexec/frame: the server's thread-pool submissions per frame" in proc.stdout
 
 

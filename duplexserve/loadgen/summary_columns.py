@@ -13,9 +13,11 @@ SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("sessions", "sessions measured (warm-up ones left out)"),
     ("frames", "80 ms answer frames received in all"),
     ("RTF min/med/max", "real-time factor of each session: (last answer frame received - first audio sent) "
-                        "/ length of the answer; paced, about 1.0 keeps up (a little above: the last "
-                        "frame's round trip), well above 1 fell behind; burst, below 1 is faster than "
-                        "real time"),
+                        "/ length of the answer; paced, just under 1 keeps up: the last message leaves "
+                        "one message before the audio ends, so a session answered at once reads "
+                        "1 - message/length, plus its last round trip/length (10 s in 80 ms messages: "
+                        "0.992 + round trip/10 s); well above 1 fell behind; burst, below 1 is faster "
+                        "than real time"),
     ("ready p50/p99/max ms", "connect to session ready (session.created or the handshake, the prompt run); "
                              "with --arrivals-per-s, of the sessions that joined later"),
     ("rt p50/p99/max ms", "round trip: answer frame i received - input frame i sent"),
