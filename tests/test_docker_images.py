@@ -143,8 +143,9 @@ def test_cpu_image_serves_from_outside_as_non_root_and_turns_healthy(images) -> 
         assert "duplexserve" in sh("docker", "exec", name, "cat", "/proc/1/cmdline").stdout
 
         # Debian's libopus is in the image and loads: Opus is not left to sphn (issue 72).
-        check = sh("docker", "exec", name, "duplexserve", "check", timeout=120, check=False).stdout.splitlines()
-        assert next(line for line in check if line.startswith("libopus")).split() == ["libopus", "loaded"], check
+        report = sh("docker", "exec", name, "duplexserve", "check", timeout=120, check=False).stdout
+        libopus = next(line for line in report.splitlines() if line.startswith("libopus"))
+        assert libopus.split() == ["libopus", "loaded"], report
 
         # The image's HEALTHCHECK (every 10 s) turns the container healthy.
         wait_for("healthy", lambda: inspect(name, "{{.State.Health.Status}}") == "healthy", timeout=45)
