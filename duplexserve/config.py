@@ -139,10 +139,11 @@ class ServerConfig:
         ("on", "off"),
     )
     moshi_warm_rows: int = _opt(
-        4,
-        "moshi engine: the buckets of up to this many rows have their CUDA graphs captured before the"
-        " engine is ready, the larger ones while no session is open (or at their first step); 0: every"
-        " bucket before ready (docs/moshi-engine.md, Start-up and restart)",
+        0,
+        "moshi engine: 0: every bucket's CUDA graphs captured before the engine is ready; N: the buckets"
+        " of up to N rows and the largest, the others while no session is open, a step needing one not"
+        " captured yet running in the smallest captured bucket that holds its rows, never eagerly"
+        " (docs/moshi-engine.md, Start-up and restart)",
     )
     moshi_attention: str = _opt(
         "live",

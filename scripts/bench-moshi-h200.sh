@@ -22,6 +22,11 @@
 #                           with channels-last inputs (--moshi-mimi-convs fused-cl), LM context C,
 #                           the engine's step clock T ms (default 0: step at once; 80: one frame),
 #                           R runs one after another on one server start (a line each)
+#   first-MODEL-N[-process][-int8][-warmW]
+#                           a fresh server at its defaults (--moshi-warm-rows W given -warmW) met by
+#                           N sessions at once, then by sessions joining and leaving one at a time
+#                           so the batch walks every bucket size up and down, never idle (bench
+#                           moshi-first-traffic): late frames, steps over 200 ms, start to ready
 #   breakdown | attention | agreement | mimi | ring
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
 #                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention)
@@ -83,6 +88,21 @@ for spec in "$@"; do
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
       part="${phase%%-*}"; suffix="${phase#*-}"; var="MOSHI_STEP_ARGS_${suffix^^}"
       python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$name.json" ;;
+    first-*)
+      IFS=- read -r -a parts <<<"$phase"
+      preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
+      flags=()
+      for extra in "${parts[@]:3}"; do
+        [ "$extra" = process ] && flags+=(--engine-process)
+        [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
+        [[ "$extra" == warm[0-9]* ]] && flags+=(--warm-rows "${extra#warm}")
+      done
+      python3 -m duplexserve bench moshi-first-traffic --preset "$preset" --sessions "${parts[2]}" "${flags[@]}" \
+        --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
+      [ -f "$OUT/one.json" ] && { python3 -c "import json,sys
+for line in open(sys.argv[1]): print(json.dumps({'phase': sys.argv[2], **json.loads(line)}))" "$OUT/one.json" "$spec" >>"$OUT/first.jsonl"; rm "$OUT/one.json"; }
+      { echo "=== $spec"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | grep "moshi engine\|ms step\|Traceback\|Error" | tail -60; } >>"$OUT/server-logs.txt"
+      rm -f "$OUT/server.log.tmp" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"
       preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }

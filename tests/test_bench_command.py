@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import subprocess
 import sys
 
@@ -51,7 +52,7 @@ def test_moshi_rtf_takes_serves_option_names_and_gives_the_serve_command_it_star
     assert argv == [
         "serve", "--engine", "moshi", "--moshi-preset", "hibiki-zero-3b", "--moshi-kv-dtype", "int8",
         "--moshi-mimi-convs", "fused-cl", "--max-sessions", "448", "--engine-process",
-        "--moshi-warm-rows", "0", "--port", "18990", "--idle-timeout-s", "120",
+        "--port", "18990", "--idle-timeout-s", "120",
     ]  # fmt: skip
     serve_parser = argparse.ArgumentParser()
     ServerConfig.add_arguments(serve_parser)
@@ -185,3 +186,45 @@ def test_moshi_step_puts_the_rows_at_their_age_past_their_pending_resets():
         engine.step(slots, frames)
         offsets = engine.lm_gen.lm_model.transformer._streaming_state.offsets
         assert offsets[engine.rows_of(slots)].tolist() == [8] * len(slots)
+
+
+def test_moshi_first_traffic_walks_every_batch_size_up_and_down_and_never_idles():
+    """The schedule: N at once, leaving one at a time; then N - 2 joining and leaving one at
+    a time, the batch never empty between the first start and the last end, never past N."""
+    from duplexserve.bench.moshi_first_traffic import schedule
+
+    n, step = 12, 0.05
+    plan = schedule(n, burst_s=1.0, step_s=step)
+    assert [p for p, _, _ in plan] == ["burst"] * n + ["walk"] * (n - 2)
+    edges = sorted({t for _, start, seconds in plan for t in (start, start + seconds)})
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
+    live = [sum(start <= t < start + seconds for _, start, seconds in plan) for t in mids]
+    assert min(live) >= 1 and max(live) == n
+    peak = live.index(n)
+    walk = live[live.index(1, peak) :]  # from the burst's last session on
+    top = walk.index(n - 2)
+    assert set(range(1, n - 1)) <= set(walk[: top + 1])  # up through every count
+    assert set(range(1, n - 1)) <= set(walk[top:]) and walk[-1] == 1  # and down again
+
+
+def test_moshi_first_traffic_runs_against_a_fresh_server_at_its_defaults(tmp_path):
+    """One fresh server (the synthetic engine), no warm-up batch: every session completes
+    and the summary counts late frames by phase, long steps, and start to ready."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "first.jsonl"
+    argv = ["moshi-first-traffic", "--synthetic-step-ms", "5", "--sessions", "4", "--burst-s", "1",
+            "--step-s", "0.1", "--port", str(port), "--out", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "duplexserve", "bench", *argv], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert run["serve"].endswith(f"--max-sessions 4 --port {port} --idle-timeout-s 120")
+    assert run["sessions"] == run["complete_sessions"] == 6 and run["errors"] == 0, run
+    assert run["startup_s"] > 0 and run["steps"] > 0
+    assert set(run["steps_over_ms"]) == {"80", "100", "200"}
+    assert run["late_frames"] == run["burst_late_frames"] + run["walk_late_frames"]

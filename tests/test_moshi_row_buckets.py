@@ -198,3 +198,31 @@ def test_warm_steps_keep_a_prompted_models_held_codes():
             engine.stop()
     for a, b in zip(*answers, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_in_an_uncaptured_bucket_runs_padded_in_a_captured_one_and_answers_the_same():
+    """With only the 1- and 6-row buckets captured (capture_plan.py: ``--moshi-warm-rows 1``
+    before its idle captures), every step of 2-4 rows runs in the 6-row bucket, its padding
+    rows masked off, never in its own: and each session's tokens and audio are those of the
+    engine stepping each in its own bucket, bit for bit."""
+    from duplexserve.engine_bridge.moshi.capture_plan import CapturePlan
+
+    answers, ran = [], []
+    for padded in (False, True):
+        engine = make_engine()
+        try:
+            if padded:
+                engine._capture = CapturePlan(engine._rows.sizes, warm_rows=1)
+                for size in (1, 6):
+                    engine._capture.mark(size)
+                use = engine._rows.views.use
+                engine._rows.views.use = lambda size, use=use: ran.append(size) or use(size)
+            answers.append(run_sessions(engine, SESSIONS)[:2])
+        finally:
+            engine.stop()
+    assert set(ran) == {1, 6} and ran.count(6) > 10, ran
+    (audio, tokens), (padded_audio, padded_tokens) = answers
+    for a, b in zip(tokens, padded_tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(audio, padded_audio, strict=True):
+        np.testing.assert_array_equal(a, b)

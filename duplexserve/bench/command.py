@@ -56,6 +56,10 @@ BENCHMARKS = {
     "moshi-restart": Benchmark(
         "moshi_restart", "moshi engine: the engine process killed under load, time until sessions run again"
     ),
+    "moshi-first-traffic": Benchmark(
+        "moshi_first_traffic",
+        "moshi engine: a fresh server met by N sessions at once, then a walk through every batch size",
+    ),
     "moshi-prompts": Benchmark(
         "moshi_prompt", "moshi engine: a PersonaPlex prompt's prefill against the step", run="main"
     ),

@@ -392,10 +392,9 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
         *(["--engine-tick-ms", f"{args.tick_ms:g}"] if args.tick_ms != defaults.engine_tick_ms else []),
         *(["--engine-gather", args.gather] if args.gather != defaults.engine_gather else []),
         *(["--engine-spare", args.spare] if args.spare != defaults.engine_spare else []),
-        # Last, what changes nothing measured: when buckets are captured (before ready, or
-        # after), the port, the idle timeout.
+        # Last, what changes nothing measured: the port, the idle timeout.
         *([] if args.synthetic_step_ms or args.warm_rows == defaults.moshi_warm_rows
-          else ["--moshi-warm-rows", str(args.warm_rows)]),
+          else ["--moshi-warm-rows", str(args.warm_rows)]),  # buckets captured after ready: padded steps
         "--port", str(args.port), "--idle-timeout-s", "120",
     ]  # fmt: skip
 
@@ -586,11 +585,14 @@ def add_steps_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--out", default="")
 
 
-def add_rtf_arguments(r: argparse.ArgumentParser, warm_rows: int = 0) -> None:
+def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     """Each option that sets up the server also takes serve's name for it (``--moshi-kv-dtype``
     beside ``--kv-dtype``, ``--engine-tick-ms`` beside ``--tick-ms``): a setup reads the same
-    in both commands, and the run prints the serve command it starts. ``warm_rows``: every
-    bucket captured before ready by default, so that no run's first steps capture one."""
+    in both commands, and the run prints the serve command it starts. Every default is the
+    server's (``--moshi-warm-rows`` too: every bucket captured before ready), so that a run
+    measures what a server started without options holds."""
+    from duplexserve.config import ServerConfig
+
     r.add_argument("--preset", "--moshi-preset", default="hibiki-2b-class")
     r.add_argument(
         "--sessions",
@@ -616,8 +618,8 @@ def add_rtf_arguments(r: argparse.ArgumentParser, warm_rows: int = 0) -> None:
         "--warm-rows",
         "--moshi-warm-rows",
         type=int,
-        default=warm_rows,
-        help="the server's --moshi-warm-rows (buckets captured before ready; 0: all of them)",
+        default=ServerConfig.moshi_warm_rows,
+        help="the server's --moshi-warm-rows (0, its default: every bucket captured before ready)",
     )
     r.add_argument(
         "--tick-ms",

@@ -22,13 +22,11 @@ import urllib.request
 import numpy as np
 
 from duplexserve.bench.moshi import FRAME, add_rtf_arguments, one_session, run_clients, started_server
-from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.process_engine import ENGINE_NAME
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # The server's default: what a restart captures before it is ready is what this measures.
-    add_rtf_arguments(p, warm_rows=ServerConfig.moshi_warm_rows)
+    add_rtf_arguments(p)  # the server's defaults: what a restart captures before ready is measured
     p.add_argument("--kill-at", type=float, default=20.0, help="seconds into the run to kill the engine")
 
 

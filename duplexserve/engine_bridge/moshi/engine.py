@@ -35,6 +35,7 @@ import numpy as np
 
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
+from duplexserve.engine_bridge.moshi.capture_plan import CapturePlan
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.families import get_family
 from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, MemoryPlan, fixed_bytes, kv_bytes_per_slot
@@ -153,7 +154,7 @@ class MoshiEngine(Engine):
         if compile not in ("on", "off"):
             raise ValueError(f"--moshi-compile {compile!r}: on or off")
         self.compile = compile
-        self._cold: list[int] = []  # buckets whose graphs are not captured yet, smallest first
+        self._capture = CapturePlan([num_slots], graphed=False)  # which buckets are captured (start())
         self.attention = attention
         self.kv_dtype = kv_dtype
         if depformer not in ("stock", "lean"):
@@ -379,9 +380,10 @@ class MoshiEngine(Engine):
         self._mimi_encode, self._mimi_decode = self._mimi_fns[b]
         if phase is not None:
             phase("state")
-        warm = [n for n in self._rows.sizes if n <= self.warm_rows] if self.warm_rows else self._rows.sizes
-        self._cold = [n for n in self._rows.sizes if n not in warm] if graphed else []
-        self._warm_up(warm if graphed else [b], phase)
+        # Before ready: every bucket, or those of up to --moshi-warm-rows rows and the largest;
+        # a step never runs a bucket not captured yet (capture_plan.py).
+        self._capture = CapturePlan(self._rows.sizes, self.warm_rows, graphed)
+        self._warm_up(self._capture.before_ready if graphed else [b], phase)
         if plan is not None:  # what the plan's allowance beyond the ring is measured against
             used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
             rings = (b + self.family.prompted) * plan.kv_per_slot  # the prefill's scratch row has one
@@ -389,7 +391,7 @@ class MoshiEngine(Engine):
             log.info(
                 "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f; "
                 "%d buckets' graphs not captured yet, --moshi-warm-rows 0 captures every one first)",
-                used / 2**30, (used - rings) / b / 2**20, OTHER_PER_SLOT / 2**20, len(self._cold),
+                used / 2**30, (used - rings) / b / 2**20, OTHER_PER_SLOT / 2**20, len(self._capture.cold),
             )  # fmt: skip
 
     def _prefix_moves(self, views: Any) -> None:
@@ -503,6 +505,7 @@ class MoshiEngine(Engine):
         self._warming = True
         for size in sizes:
             self._warm_bucket(size)
+            self._capture.mark(size)
             if phase is not None:
                 phase(f"warm-up {size}")
         if self.family.prompted:  # the default prompt's prefill: its kernels, and the cache
@@ -543,20 +546,22 @@ class MoshiEngine(Engine):
 
     def warm(self) -> bool:
         """Capture the smallest bucket still cold (``--moshi-warm-rows``); the bridge calls it
-        while no session is open, so it delays no live frame."""
-        if self._cold:
-            size = self._cold.pop(0)
+        while no session is open, so it delays no live frame. Until then a step that needs it
+        runs in a larger captured bucket (capture_plan.py)."""
+        size = self._capture.next_idle()
+        if size is not None:
             started = time.perf_counter()
             self._warming = True
             try:
                 self._warm_bucket(size)
             finally:
                 self._warming = False
+            self._capture.mark(size)
             log.info(
                 "moshi engine: the %d-row bucket's graphs captured in %.2f s while idle, %d buckets to go",
-                size, time.perf_counter() - started, len(self._cold),
+                size, time.perf_counter() - started, len(self._capture.cold),
             )  # fmt: skip
-        return bool(self._cold)
+        return bool(self._capture.cold)
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._rows.map.open(slot)  # the lowest free row, reset before it next steps
@@ -718,7 +723,8 @@ class MoshiEngine(Engine):
                 self.prompt(slot, {})
         moves = self._rows.moves
         with torch.no_grad(), self._no_compile():
-            rows, size, reset = self._rows.prepare(slots)  # the step runs rows [0, size)
+            # the step runs rows [0, size), in a bucket whose graphs are captured
+            rows, size, reset = self._rows.prepare(slots, self._capture.fit)
             self._mimi_encode, self._mimi_decode = self._mimi_fns[size]
             if reset is not None:
                 self._reset_rows(reset)

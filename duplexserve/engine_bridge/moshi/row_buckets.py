@@ -253,10 +253,13 @@ class RowBuckets:
         self.moves = 0
         self.move_bytes = MOVE_BYTES
 
-    def prepare(self, slots: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
+    def prepare(
+        self, slots: np.ndarray, fit: Callable[[int], int] | None = None
+    ) -> tuple[np.ndarray, int, np.ndarray | None]:
         """Before a step of ``slots``: move live rows down (``move_bytes`` of them at most),
-        point the states at the bucket that holds their rows. Returns the rows, the bucket
-        size, and the mask of the bucket's rows to reset first (None when there are none)."""
+        point the states at the bucket that holds their rows, or at ``fit`` of it (the
+        smallest captured one, capture_plan.py). Returns the rows, the bucket size, and the
+        mask of the bucket's rows to reset first (None when there are none)."""
         over = self.map.overflow()
         if len(over):
             limit = max(1, self.move_bytes // max(1, self.views.row_bytes(over)))
@@ -265,6 +268,8 @@ class RowBuckets:
             self.moves += len(src)
         rows = self.map.rows(slots)
         size = self.map.bucket(int(rows.max()) + 1)
+        if fit is not None:
+            size = fit(size)
         self.views.use(size)
         reset = self.map.reset[:size]
         if not reset.any():
