@@ -45,6 +45,19 @@ def int_or_auto(text: str) -> int:
     return count
 
 
+def model_names(text: str) -> tuple[str, ...]:
+    """``--served-model-name``: names separated by commas or spaces (one token of the flag, or
+    the whole variable); empty: none, any model a client names is served."""
+    return tuple(name for name in re.split(r"[,\s]+", text) if name)
+
+
+class _Names(argparse.Action):
+    """``--served-model-name a b,c``: every token's names, one tuple."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, tuple(name for names in values for name in names))
+
+
 @dataclass
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
@@ -57,7 +70,13 @@ class ServerConfig:
         ("fast", "websockets-sansio", "websockets"),
     )
     log_level: str = _opt("info", "log level", ("critical", "error", "warning", "info", "debug"))
-    model: str = _opt("", "model name reported to clients (default: named after the engine)")
+    model: str = _opt("", "model name reported to clients that name none (default: the first "
+                      "--served-model-name, else named after the engine)")
+    served_model_name: tuple[str, ...] = _opt(
+        (), "the model names clients may ask for (?model=, GET /v1/models), as vLLM's flag; any other is "
+        "refused model_not_found. None: a client's name is served and echoed (OpenAI's SDKs name theirs)",
+        parse=model_names,
+    )
 
     # Engine.
     engine: str = _opt("synthetic", "engine behind the bridge", ("synthetic", "moshi", "vllm-omni"))
@@ -446,9 +465,10 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        """What clients are told they talk to: --model, or what the engine settings say."""
-        if self.model:
-            return self.model
+        """What clients that name no model are told they talk to: --model, the first
+        --served-model-name, or what the engine settings say."""
+        if self.model or self.served_model_name:
+            return self.model or self.served_model_name[0]
         if self.engine == "synthetic":
             return f"synthetic-{self.synthetic_mode}"
         if self.engine == "moshi":
@@ -481,12 +501,14 @@ class ServerConfig:
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
             else:
+                many = {"nargs": "+", "action": _Names} if isinstance(f.default, tuple) else {}
                 parser.add_argument(
                     flag,
                     type=f.metadata["parse"] or type(f.default),
                     default=default,
                     choices=f.metadata["choices"],
                     help=help_text,
+                    **many,
                 )
 
     @classmethod
@@ -532,6 +554,9 @@ class ServerConfig:
             raise ValueError("ws_budget_burst_s must be positive")
         if self.delay_frames < 0 or self.text_every < 0:
             raise ValueError("delay_frames and text_every cannot be negative")
+        if self.model and self.served_model_name and self.model not in self.served_model_name:
+            raise ValueError(f"--model {self.model!r} is not among --served-model-name "
+                             f"{' '.join(self.served_model_name)}: name it there too")
         if self.engine == "vllm-omni" and not (self.vllm_omni_model or self.vllm_omni_standin):
             raise ValueError("--engine vllm-omni needs --vllm-omni-model (or --vllm-omni-standin)")
         if self.engine == "vllm-omni" and self.engine_process:

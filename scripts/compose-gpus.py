@@ -145,7 +145,10 @@ def parse_models(text: str, count: int) -> list[Model]:
         name, _, repo = head.partition("=")
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", name) or not repo:
             raise ValueError(f"{entry!r}: not NAME=REPO (NAME of lowercase letters, digits, '.' and '-')")
-        env = {"DUPLEXSERVE_MODEL": name, "DUPLEXSERVE_MOSHI_HF_REPO": repo, "DUPLEXSERVE_MOSHI_WEIGHTS": ""}
+        # The replica serves its name only: a request nginx sent it for another model (one no
+        # pool serves goes to the first's) is refused model_not_found, never served by this one.
+        env = {"DUPLEXSERVE_MODEL": name, "DUPLEXSERVE_SERVED_MODEL_NAME": name,
+               "DUPLEXSERVE_MOSHI_HF_REPO": repo, "DUPLEXSERVE_MOSHI_WEIGHTS": ""}
         for setting in settings:
             var, eq, value = setting.partition("=")
             if not eq or not var.startswith("DUPLEXSERVE_"):

@@ -181,12 +181,16 @@ def test_several_models_behind_one_nginx(server_factory, tmp_path, monkeypatch) 
     ?model= to the first model's, an unknown one is refused by them (model_not_found), and a
     resume still reaches its replica."""
     models = ["hibiki-zero-3b", "moshi-7b", "hibiki-zero-3b", "moshi-7b"]
-    servers = [server_factory("--max-sessions", "4", "--model", m, "--replica-id", f"duplexserve-{i}"
-                              if i else "duplexserve", *REPLICA) for i, m in enumerate(models)]
     spec = ",".join(f"{m}=kyutai/{m};DUPLEXSERVE_MOSHI_KV_DTYPE=int8" for m in models)
     assert generate(tmp_path / "gpus", "0,1,2,3", "--cpu", "--models", spec).returncode == 0
     services = yaml.safe_load((tmp_path / "gpus" / "compose.yaml").read_text())["services"]
-    assert [services[n]["environment"]["DUPLEXSERVE_MODEL"] for n in list(services)[:4]] == models
+    names = ("DUPLEXSERVE_MODEL", "DUPLEXSERVE_SERVED_MODEL_NAME")
+    envs = [{k: services[n]["environment"][k] for k in names} for n in list(services)[:4]]
+    assert envs == [dict.fromkeys(names, m) for m in models]
+    # Each server as its service says it: the model's name, served alone.
+    servers = [server_factory("--max-sessions", "4", "--replica-id",
+                              f"duplexserve-{i}" if i else "duplexserve", *REPLICA, env=e)
+               for i, e in enumerate(envs)]
     assert services["duplexserve-3"]["environment"]["DUPLEXSERVE_MOSHI_HF_REPO"] == "kyutai/moshi-7b"
     monkeypatch.setattr(test_nginx, "SHIPPED_CONF", tmp_path / "gpus" / "duplexserve.conf")
 

@@ -203,6 +203,7 @@ def test_model_per_overlay(rendered) -> None:
             "personaplex-7b": "nvidia/personaplex-7b-v1"}[name]
     assert e["DUPLEXSERVE_MOSHI_HF_REPO"] == repo and e["DUPLEXSERVE_MOSHI_WEIGHTS"] == ""
     assert e["DUPLEXSERVE_MODEL"] == name and e["DUPLEXSERVE_API_KEYS"] == "k8s-test-key"
+    assert e["DUPLEXSERVE_SERVED_MODEL_NAME"] == name  # any other ?model= refused, not served
     assert (e.get("DUPLEXSERVE_MOSHI_CFG_COEF") == "3") == (name == "hibiki-2b")
     assert (e.get("DUPLEXSERVE_MOSHI_KV_DTYPE") == "int8") == (name == "hibiki-zero-3b")
     assert bool(e.get("DUPLEXSERVE_VOICE_PROMPT_DIR")) == (name == "personaplex-7b")

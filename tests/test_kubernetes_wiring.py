@@ -121,7 +121,10 @@ def faults(objects: Objects, gateway: Objects, exported: set[str]) -> list[str]:
         for path in PRIVATE:
             if any(matches(m, path) for m in rule["matches"]):
                 found.append(f"HTTPRoute: routes {path} through the Gateway")
-    model = container_env(deployment["spec"]["template"]["spec"]["containers"][0])["DUPLEXSERVE_MODEL"]
+    server_env = container_env(deployment["spec"]["template"]["spec"]["containers"][0])
+    model = server_env["DUPLEXSERVE_MODEL"]
+    if server_env.get("DUPLEXSERVE_SERVED_MODEL_NAME") != model:  # else it serves any ?model= sent to it
+        found.append(f"Deployment: DUPLEXSERVE_SERVED_MODEL_NAME is not {model!r}, the only model it serves")
     by_model = next((r for r in route["spec"]["rules"] if r.get("name") == "model"), {"matches": []})
     asked = {q["value"] for m in by_model["matches"] for q in m.get("queryParams", [])
              if q["name"] == "model"}
@@ -205,6 +208,12 @@ def _namespace_label(o: Objects) -> None:
     one(o, "Namespace")["metadata"]["labels"] = {}
 
 
+def _unserve(o: Objects) -> None:
+    """No --served-model-name: the default route's requests for unserved models would be served."""
+    container = one(o, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [v for v in container["env"] if v["name"] != "DUPLEXSERVE_SERVED_MODEL_NAME"]
+
+
 BREAKS: dict[str, tuple[Callable[[Objects], None], str]] = {
     "the Service's labels (issue 68)": (_relabel_service, "ServiceMonitor: selects no Service"),
     "the Service's selector": (lambda o: one(o, "Service")["spec"]["selector"].update(
@@ -224,6 +233,7 @@ BREAKS: dict[str, tuple[Callable[[Objects], None], str]] = {
     "the route's paths": (_route_all, "routes /metrics through the Gateway"),
     "the route's model": (lambda o: one(o, "HTTPRoute")["spec"]["rules"][0]["matches"][0][
         "queryParams"][0].update(value="other"), "HTTPRoute: routes ?model="),
+    "the served model name": (_unserve, "DUPLEXSERVE_SERVED_MODEL_NAME is not"),
     "the traffic policy's target": (lambda o: one(o, "BackendTrafficPolicy")["spec"]["targetRefs"][0].update(
         name="other"), "BackendTrafficPolicy: applies to no route"),
     "an alert's metric": (_rule_expr(lambda e: e.replace("_max_sessions", "_sessions_max")),

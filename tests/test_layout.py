@@ -120,7 +120,7 @@ def test_an_upward_import_inside_a_function_is_caught():
 #: transport interface is core/transport.py), never a transport; a transport imports the
 #: core, never a protocol, nor another transport. ``helpers``: the modules at server/'s
 #: root that hold no wiring (request parsing, log hygiene), free to every layer but the core.
-HELPERS = {"auth", "log_redaction", "http_errors", "request_body"}
+HELPERS = {"auth", "log_redaction", "http_errors", "request_body", "served_models"}
 LAYER_RULES = {
     "core": {"core"},
     "protocols": {"core", "protocols", *HELPERS},

@@ -43,6 +43,7 @@ from duplexserve.server.protocols.native import NativeConnection
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
 from duplexserve.server.protocols.twilio.adapter import TwilioConnection
 from duplexserve.server.protocols.twilio.wire import TwilioCollector
+from duplexserve.server.served_models import served_names
 from duplexserve.server.transports.websocket.budgets import ParseLimits, ParseMeter
 from duplexserve.server.transports.websocket.connection import Receive, Scope, Send, WebSocketTransport
 
@@ -230,13 +231,14 @@ class DuplexApp:
 
 
 def models_route(config: ServerConfig) -> Callable[[], Awaitable[dict[str, Any]]]:
-    """``GET /v1/models`` as OpenAI's SDKs read it: the one model this server serves, the name
-    that ``?model=`` must give (others are refused with ``model_not_found``)."""
-    listed = {"id": config.model_name, "object": "model", "created": int(time.time()),
-              "owned_by": config.model_owner}
+    """``GET /v1/models`` as OpenAI's SDKs read it: the names ``?model=`` may give with
+    ``--served-model-name`` (others are refused ``model_not_found``), else the server's own."""
+    created = int(time.time())
+    listed = [{"id": name, "object": "model", "created": created, "owned_by": config.model_owner}
+              for name in served_names(config)]
 
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [listed]}
+        return {"object": "list", "data": listed}
 
     return models
 

@@ -42,6 +42,7 @@ from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.http_errors import http_error
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
 from duplexserve.server.request_body import BodyTooLarge, parse_json, read_body
+from duplexserve.server.served_models import not_served
 from duplexserve.server.transports.webrtc import peer as webrtc_peer
 from duplexserve.server.transports.webrtc.call import WebRTCCall, refusal_status
 from duplexserve.server.transports.webrtc.clock import PlayClock
@@ -338,6 +339,10 @@ class WebRTCCalls:
             return http_error(401, "invalid_api_key", "a valid API key is required")
         try:
             spec = parse_json(await read_body(request) or b"{}", "the body")
+            session = spec.get("session") if isinstance(spec, dict) else None
+            refused = not_served(self.config, session.get("model") if isinstance(session, dict) else None)
+            if refused is not None:  # refused now, not when its call comes
+                return http_error(404, errors.MODEL_NOT_FOUND, refused)
             secret = self.secrets.mint(spec, self.config.model_name)
         except BodyTooLarge as exc:
             return _too_large(exc)

@@ -103,7 +103,7 @@ class NativeConnection(NativeResume, ProtocolAdapter):
             "type": kind,
             "protocol": self.protocol,
             "session_id": self.session.id,
-            "model": self.config.model_name,
+            "model": self.query.get("model") or self.config.model_name,
             "engine": self.orch.engine.name,
             "frame_ms": FRAME_MS,
             "input": self.input_format.describe(),

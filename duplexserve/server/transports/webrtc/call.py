@@ -30,6 +30,7 @@ from duplexserve.codecs.opus_rtp import RTP_RATE, RtpOpusDecoder, RtpOpusEncoder
 from duplexserve.config import ServerConfig
 from duplexserve.server.core.session import Session
 from duplexserve.server.core.tasks import TaskDriver
+from duplexserve.server.served_models import not_served
 from duplexserve.server.transports.webrtc import peer as webrtc_peer
 from duplexserve.server.transports.webrtc import rtp as webrtc_rtp
 from duplexserve.server.transports.webrtc.clock import PlayClock
@@ -53,6 +54,8 @@ LINGER_S = 0.2
 
 def refusal_status(code: int, error: str) -> int:
     """The HTTP status that refuses an offer for what closes a WebSocket with ``code``."""
+    if error == errors.MODEL_NOT_FOUND:
+        return 404  # as OpenAI's API answers a model it does not have
     return 429 if error == "too_many_sessions" else 503 if code == errors.TRY_AGAIN else 403
 
 
@@ -163,6 +166,10 @@ class WebRTCCall:
     async def run(self, adapter: ProtocolAdapter) -> None:
         """The protocol's handshake, then its events both ways until the call ends."""
         self.adapter = adapter
+        refused = not_served(self.config, adapter.query.get("model"))  # ?model= or session.model
+        if refused is not None:
+            await adapter.refuse(errors.POLICY, errors.MODEL_NOT_FOUND, refused)
+            return
         if not await adapter.open():
             return
         session = adapter.session

@@ -26,6 +26,7 @@ from duplexserve.server import auth
 from duplexserve.server.core.eager import run_eager
 from duplexserve.server.core.session import Session, no_notify
 from duplexserve.server.core.tasks import TaskDriver
+from duplexserve.server.served_models import not_served
 from duplexserve.server.transports.websocket.budgets import OVER_BUDGET, PARSE_EXTENSION
 from duplexserve.server.transports.websocket.fast import FastPath
 from duplexserve.server.transports.websocket.protocol import EXTENSION
@@ -104,11 +105,9 @@ class WebSocketTransport(FastPath):
         ):
             await adapter.refuse(errors.POLICY, "unauthorized", "a valid API key is required")
             return
-        model = adapter.query.get("model")
-        if model and model != self.config.model_name:
-            served = self.config.model_name
-            await adapter.refuse(errors.POLICY, errors.MODEL_NOT_FOUND,
-                                 f"model {model!r}: this server serves {served!r} (GET /v1/models)")
+        refused = not_served(self.config, adapter.query.get("model"))
+        if refused is not None:
+            await adapter.refuse(errors.POLICY, errors.MODEL_NOT_FOUND, refused)
             return
         if not await adapter.open():
             return
