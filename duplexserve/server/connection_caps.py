@@ -44,15 +44,9 @@ class ConnectionCaps:
 
 
 def descriptor_limit() -> int:
-    """The soft ``RLIMIT_NOFILE``, raised to the hard limit first where that is higher
-    (as servers do; uvloop's epoll has no FD_SETSIZE bound)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
+    """The soft ``RLIMIT_NOFILE``: the descriptors this process may hold (the operator's to
+    raise, ``ulimit -n`` or systemd's ``LimitNOFILE``; Docker's default is 1,048,576)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
