@@ -11,7 +11,9 @@ limit of 1,024 (issue 73). So the connections are counted as they are made:
   in all only), ``--max-connections-per-client``, by default an eighth of the total (so eight
   clients at their cap still leave room) and at most :data:`MAX_PER_CLIENT`.
 
-A connection past a cap is closed as it is made, before anything is read, and counted
+``duplexserve_connections_open`` is how many are held now, ``duplexserve_connections_cap{scope}``
+the caps (``total``, ``per_client``). A connection past a cap is closed as it is made, before
+anything is read, and counted
 (``duplexserve_connections_over_budget_total{budget="connections_per_client"|"connections"}``).
 The new one is closed, not the client's oldest: every held connection is already bounded in
 time (a request head by the head deadline, an idle keep-alive by uvicorn's keep-alive timeout,
@@ -25,7 +27,11 @@ import ipaddress
 import logging
 import resource
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("duplexserve")
 
@@ -94,3 +100,20 @@ class Connections:
                 self._per_client[key] = left
             else:
                 del self._per_client[key]
+
+
+class ConnectionsCollector(Collector):
+    """``/metrics``: the connections held now and the caps."""
+
+    def __init__(self, connections: Connections) -> None:
+        self.connections = connections
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = self.connections.open
+        yield GaugeMetricFamily("duplexserve_connections_open", "TCP connections held now", held)
+        caps = GaugeMetricFamily(
+            "duplexserve_connections_cap", "connections held at once at most (0: no limit)", labels=["scope"]
+        )
+        caps.add_metric(["total"], self.connections.caps.total)
+        caps.add_metric(["per_client"], self.connections.caps.per_client)
+        yield caps

@@ -20,7 +20,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from duplexserve.config import ServerConfig
 from duplexserve.server import auth, log_redaction
 from duplexserve.server.app import DuplexApp, create_app
-from duplexserve.server.connection_caps import Connections, connection_caps, descriptor_limit
+from duplexserve.server.connection_caps import (
+    Connections,
+    ConnectionsCollector,
+    connection_caps,
+    descriptor_limit,
+)
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.http_budgets import HttpLimits, budgeted_http
 from duplexserve.server.transports.websocket.budgets import (
@@ -206,8 +211,12 @@ def http_protocol(config: ServerConfig, app: object) -> type[HttpToolsProtocol]:
         "connections: at most %d in all, %s per client (RLIMIT_NOFILE %d)",
         caps.total, caps.per_client or "no limit", limit,
     )  # fmt: skip
+    connections = Connections(caps)
+    metrics = getattr(app, "metrics", None)
+    if metrics is not None:
+        metrics.registry.register(ConnectionsCollector(connections))
     overload = getattr(app, "overload", None)
-    return budgeted_http(base, HttpLimits(), overload, proxies, config.client_ipv6_prefix, Connections(caps))
+    return budgeted_http(base, HttpLimits(), overload, proxies, config.client_ipv6_prefix, connections)
 
 
 def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> uvicorn.Config:
