@@ -181,9 +181,7 @@ def test_the_ipv6_prefix_keys_the_http_budget(server_factory):
         with Flood(SERVER_V6, server.port, ATTACKER_V6):
             assert wait_for(lambda: over_budget(server, "http_address_requests_per_s") > 0)
             neighbour = statuses(url, NEIGHBOUR_V6, 20)
-            attacker = statuses(url, ATTACKER_V6, 5)
         assert neighbour == [200] * 20
-        assert 429 in attacker
 
 
 def test_an_upgrade_is_not_refused_for_the_http_budget_its_address_spent(server_factory):
