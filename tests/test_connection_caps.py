@@ -209,3 +209,16 @@ def test_an_upgrade_is_not_refused_for_the_http_budget_its_address_spent(server_
     assert opened == [True] * 10
     refused = [a for a in answers if a.status_code == 429]
     assert refused and all(a.headers.get("retry-after") == "1" for a in refused)
+
+
+def test_the_ipv6_prefix_keys_the_parse_budget():
+    """The parse budgets' address (transports/websocket/budgets.py) is keyed by the same function:
+    before, it was every address's /64 whatever ``--client-ipv6-prefix`` said."""
+    from duplexserve.server.transports.websocket.budgets import ParseLimits, ParseMeter
+
+    each, grouped = (ParseMeter(ParseLimits(), [], prefix) for prefix in (128, 64))
+    a, b = (ATTACKER_V6, 1), (NEIGHBOUR_V6, 1)
+    assert each.address(a) != each.address(b) and grouped.address(a) == grouped.address(b)
+    assert each.take_address(each.address(a), 0.0, 0.1)  # a's budget (100 ms) spent ...
+    assert not each.address_has(each.address(a), 0.0, 0.01)
+    assert each.address_has(each.address(b), 0.0, 0.01)  # ... not its neighbour's
