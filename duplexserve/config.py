@@ -359,7 +359,14 @@ class ServerConfig:
         "X-Real-IP are never read",
     )
     handshake_timeout_s: float = _opt(
-        10.0, "close a connection whose HTTP/WebSocket handshake is not complete after this long"
+        10.0, "close a connection whose request head (the first or any later one on a kept-alive "
+        "connection, a WebSocket handshake's included) is not complete this long after it began"
+    )
+    max_connections_per_client: int = _opt(
+        -1, "connections one client (keyed as --max-sessions-per-client keys it; not loopback, not a "
+        "proxy of --forwarded-allow-ips) may hold at once; past it a new one is closed unread. -1: an "
+        "eighth of the connections the descriptor limit allows (RLIMIT_NOFILE less a reserve), at most "
+        "1024; 0: no limit (docs/reliability.md)",
     )
     drain_max_s: float = _opt(
         10.0, "duplex/1: after input.end, how long a model that ends its answer on its own (Hibiki's "
@@ -570,6 +577,8 @@ class ServerConfig:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.drain_max_s <= 0:
             raise ValueError("drain_max_s must be positive")
+        if self.max_connections_per_client < -1:
+            raise ValueError("max_connections_per_client: -1 (automatic), 0 (none) or more")
         if self.max_sessions_per_client < -1:
             raise ValueError("max_sessions_per_client: -1 (a quarter of max_sessions), 0 (none) or more")
         trusted_proxies(self.forwarded_allow_ips)  # raises for an entry that is no address

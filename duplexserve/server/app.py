@@ -122,6 +122,7 @@ class DuplexApp:
         self.parse = ParseMeter(
             ParseLimits(config.ws_max_parse_ms_per_s, config.ws_max_address_parse_ms_per_s),
             list(auth.parse_list(config.forwarded_allow_ips)),
+            config.client_ipv6_prefix,
         )
         thresholds = Thresholds(
             config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000, config.overload_parse_share

@@ -9,16 +9,20 @@ before any task or routing:
 
 - to its connection: at most ``pipeline_depth`` requests waiting behind the one being
   answered, and ``requests_per_s`` a second (``burst_s`` seconds of it at once);
-- to its address (the peer's; IPv6 by /64; none for a proxy of ``--forwarded-allow-ips``,
-  whose clients the proxy limits): ``address_requests_per_s``, across its connections. An
-  address already over it has new connections closed before anything is read;
+- to its address (the peer's, keyed by ``address_key``: IPv6 by ``--client-ipv6-prefix``;
+  none for a proxy of ``--forwarded-allow-ips``, whose clients the proxy limits):
+  ``address_requests_per_s``, across its connections;
 - to the server: the overload manager's ceiling and shedding (server/overload.py), which
   answer 503 but for a reserve of probes.
 
-Over a budget: 429 (or nothing, where an earlier response is still due) and the connection
-closed, counted as ``duplexserve_connections_over_budget_total{budget}`` and logged at most
-once per budget every :data:`LOG_EVERY_S`. WebSocket upgrades are not charged here: their
-sessions have budgets of their own (transports/websocket/budgets.py, admission).
+Over a budget: 429 with ``Retry-After`` (or nothing, where an earlier response is still due)
+and the connection closed, counted as ``duplexserve_connections_over_budget_total{budget}``
+and logged at most once per budget every :data:`LOG_EVERY_S`. The head is always read first
+(under the head deadline, server/run.py): a WebSocket upgrade is charged by need, to its
+address's ``address_upgrades_per_s`` alone (loopback: none), so plain requests that spent
+the address's HTTP budget (a neighbour behind the same NAT) never refuse it; its session has
+budgets of its own (transports/websocket/budgets.py, admission). Before any of it, the connection is counted
+against the connection caps (server/connection_caps.py), and closed unread past one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from duplexserve.server.connection_caps import Connections, counts_per_client
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.core.token_buckets import AddressBuckets, Bucket, address_key
 from duplexserve.server.overload import OverloadManager
@@ -63,6 +68,8 @@ class HttpLimits:
     address_requests_per_s: float = 200.0
     pipeline_depth: int = 8
     burst_s: float = 4.0
+    #: WebSocket upgrades of one address a second (``burst_s`` of it at once): a budget apart.
+    address_upgrades_per_s: float = 20.0
 
 
 class _RefusalLog:
@@ -78,7 +85,7 @@ class _RefusalLog:
             return
         self._last[budget] = (now, 0)
         log.warning(
-            "HTTP connection %s over its %s budget: closed (%d more since the last such line)",
+            "connection %s over its %s budget: closed (%d more since the last such line)",
             peer,
             budget,
             count,
@@ -86,23 +93,64 @@ class _RefusalLog:
 
 
 def budgeted_http(
-    base: type[HttpToolsProtocol], limits: HttpLimits, overload: OverloadManager | None, proxies: list[str]
+    base: type[HttpToolsProtocol],
+    limits: HttpLimits,
+    overload: OverloadManager | None,
+    proxies: list[str],
+    ipv6_prefix: int = 64,
+    connections: Connections | None = None,
 ) -> type[HttpToolsProtocol]:
-    """``base`` with the request budgets of ``limits`` and the overload manager's shedding."""
+    """``base`` with the request budgets of ``limits``, the overload manager's shedding and
+    the connection caps of ``connections``; clients keyed by ``address_key``."""
     addresses = AddressBuckets(limits.address_requests_per_s, limits.burst_s)
+    upgrades = AddressBuckets(limits.address_upgrades_per_s, limits.burst_s)
     refused_log = _RefusalLog()
     per_address = limits.address_requests_per_s > 0
     per_connection = limits.requests_per_s > 0
+    per_upgrade = limits.address_upgrades_per_s > 0
 
     class Protocol(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             now = time.monotonic()
             self._budget = Bucket(limits.requests_per_s, limits.burst_s, now) if per_connection else None
-            self._address = address_key(self.client, proxies) if per_address else None
+            key = address_key(self.client, proxies, ipv6_prefix)
+            self._key = key
+            self._address = key if per_address else None
             self._refused = False
-            if self._address is not None and addresses.spent(self._address, now):
-                self._refuse("http_address_requests_per_s", None)  # before anything is read
+            self._counted = False  # held in ``connections``: released when the transport is gone
+            if connections is not None:
+                cap = connections.admit(key)
+                if cap is not None:
+                    self._refuse(cap, None)  # before anything is read
+                else:
+                    self._counted = True
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._release()
+            super().connection_lost(exc)
+
+        def _release(self) -> None:
+            if self._counted:
+                self._counted = False
+                connections.release(self._key)  # type: ignore[union-attr]
+
+        def handle_websocket_upgrade(self) -> None:
+            """The WebSocket protocol takes the transport, and with it the connection's count:
+            released when that protocol's connection is lost."""
+            super().handle_websocket_upgrade()
+            taken = self.transport.get_protocol()
+            if not self._counted or taken is self:
+                return
+            self._counted = False
+            lost = taken.connection_lost
+            key = self._key
+
+            def connection_lost(exc: Exception | None) -> None:
+                connections.release(key)  # type: ignore[union-attr]
+                lost(exc)
+
+            taken.connection_lost = connection_lost
 
         def data_received(self, data: bytes) -> None:
             if not self._refused:
@@ -116,11 +164,11 @@ def budgeted_http(
         def on_headers_complete(self) -> None:
             if self._refused:
                 raise _Stop
-            if not self.parser.should_upgrade():
-                why = self._charge()
-                if why is not None:
-                    self._refuse(*why)
-                    raise _Stop  # the parser stops: the rest of the read is never parsed
+            websocket = self.parser.should_upgrade() and self._should_upgrade()  # else served as HTTP
+            why = self._charge_upgrade() if websocket else self._charge()
+            if why is not None:
+                self._refuse(*why)
+                raise _Stop  # the parser stops: the rest of the read is never parsed
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
@@ -151,6 +199,14 @@ def budgeted_http(
             ):
                 return "", _UNAVAILABLE  # shed: counted by the overload manager
             return None
+
+        def _charge_upgrade(self) -> tuple[str, bytes | None] | None:
+            """A WebSocket upgrade's charge: its address's upgrades, none of its HTTP budgets
+            (none for loopback, this host: the benchmarks open 1,500 sessions at once)."""
+            key = self._key
+            if not per_upgrade or not counts_per_client(key) or upgrades.take(key, time.monotonic()):
+                return None
+            return "http_address_upgrades_per_s", _TOO_MANY
 
         def _refuse(self, budget: str, answer: bytes | None) -> None:
             """Answer (where no earlier response is due) and close; the rest is never parsed."""

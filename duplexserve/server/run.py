@@ -20,6 +20,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from duplexserve.config import ServerConfig
 from duplexserve.server import auth, log_redaction
 from duplexserve.server.app import DuplexApp, create_app
+from duplexserve.server.connection_caps import (
+    Connections,
+    ConnectionsCollector,
+    connection_caps,
+    descriptor_limit,
+)
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.http_budgets import HttpLimits, budgeted_http
 from duplexserve.server.transports.websocket.budgets import (
@@ -51,7 +57,12 @@ _HEAD_TOO_LARGE = (
 
 def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
     """An HTTP protocol that drops connections whose request headers do not arrive in time
-    and answers 431 to a request whose head grows past :data:`MAX_HEAD_BYTES`."""
+    and answers 431 to a request whose head grows past :data:`MAX_HEAD_BYTES`.
+
+    Every head has the deadline: the first from the connection's start, each later one on a
+    kept-alive connection from its first byte (uvicorn cancels its keep-alive timer there, so
+    a second head that never ended held the connection for ever: issue 73), blank lines
+    before a request line included (llhttp skips them without a callback)."""
 
     class Protocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
@@ -59,8 +70,11 @@ def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
             self._handshake_timer = self.loop.call_later(timeout_s, self._handshake_expired)
             self._head_bytes: int | None = 0  # None: between a head's end and the next request
             self._heads = 0  # heads complete so far on this connection
+            self._awaiting_head = False  # a request ended: the next byte starts a head
 
         def data_received(self, data: bytes) -> None:
+            if self._awaiting_head and data:  # the first byte of the next head: its deadline
+                self._arm_head_timer()
             if self._head_bytes is not None:
                 room = MAX_HEAD_BYTES - self._head_bytes
                 if len(data) > room:  # the head may still end in this read, its body after it
@@ -82,6 +96,8 @@ def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
             super().data_received(data)
 
         def on_message_begin(self) -> None:
+            if self._awaiting_head:  # the next head began in the read that ended the last request
+                self._arm_head_timer()
             if self._head_bytes is None:  # the next request on a kept-alive connection
                 self._head_bytes = 0
             super().on_message_begin()
@@ -92,12 +108,26 @@ def handshake_limited(timeout_s: float) -> type[HttpToolsProtocol]:
             self._heads += 1
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._awaiting_head = True
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._handshake_timer.cancel()
             super().connection_lost(exc)
 
         def _handshake_expired(self) -> None:
             if not self.transport.is_closing():
+                self.transport.close()
+
+        def _arm_head_timer(self) -> None:
+            self._awaiting_head = False
+            self._handshake_timer = self.loop.call_later(timeout_s, self._head_expired)
+
+        def _head_expired(self) -> None:
+            """A later head past its deadline: counted, as it is a kept-alive connection held."""
+            if not self.transport.is_closing():
+                over_budget("request_head_time")
                 self.transport.close()
 
     return Protocol
@@ -175,7 +205,18 @@ def http_protocol(config: ServerConfig, app: object) -> type[HttpToolsProtocol]:
     """The HTTP protocol with its request budgets and the app's overload manager, if it has one."""
     base = handshake_limited(config.handshake_timeout_s)
     proxies = list(auth.parse_list(config.forwarded_allow_ips))
-    return budgeted_http(base, HttpLimits(), getattr(app, "overload", None), proxies)
+    limit = descriptor_limit()
+    caps = connection_caps(limit, config.max_connections_per_client)
+    log.info(
+        "connections: at most %d in all, %s per client (RLIMIT_NOFILE %d)",
+        caps.total, caps.per_client or "no limit", limit,
+    )  # fmt: skip
+    connections = Connections(caps)
+    metrics = getattr(app, "metrics", None)
+    if metrics is not None:
+        metrics.registry.register(ConnectionsCollector(connections))
+    overload = getattr(app, "overload", None)
+    return budgeted_http(base, HttpLimits(), overload, proxies, config.client_ipv6_prefix, connections)
 
 
 def uvicorn_config(config: ServerConfig, app: object, budgets: bool = True) -> uvicorn.Config:

@@ -71,10 +71,12 @@ class AddressBuckets:
             del buckets[next(iter(buckets))]
 
 
-def address_key(client: tuple[str, int] | None, proxies: list[str], ipv6_prefix: int = 64) -> str | None:
-    """The address a connection's requests are charged to: the peer's, counted as the
-    per-client quotas count it (``client_key``: IPv6 by its network), or None for a trusted
-    proxy (``*`` trusts every peer) or a peer with no address."""
+def address_key(client: tuple[str, int] | None, proxies: list[str], ipv6_prefix: int) -> str | None:
+    """The client a connection is counted as, by every per-connection count (the HTTP, upgrade
+    and parse budgets, the connection caps): the peer's address as the session quotas count
+    it (``client_key``: IPv6 by its ``--client-ipv6-prefix`` network), or None for a trusted
+    proxy (``*`` trusts every peer) or a peer with no address. One function, so that no count
+    keys clients another way (issue 73: the prefix never reached the HTTP budgets)."""
     if client is None or "*" in proxies:
         return None
     ip = parse_ip(client[0])

@@ -21,10 +21,11 @@ server/transports/websocket/fallback.py):
   host preempts it) (:class:`ParseMeter`): a few control events a second
   and audio as JSON (Realtime's appends, Twilio's media) cost a session a few ms a second, and
   a connection may spend ``ParseLimits.connection_ms_per_s``, its address (not loopback nor a
-  trusted proxy) ``address_ms_per_s`` over all its connections, each ``burst_s`` ahead; past
-  either it is closed 1008 as above. Eight connections of 1 MB JSON messages, each under the
-  byte budget, saturated the loop (issue 67); what all connections spend together is the
-  overload manager's (server/overload.py), which sheds new work past its ceiling.
+  trusted proxy; IPv6 by ``--client-ipv6-prefix``) ``address_ms_per_s`` over all its
+  connections, each ``burst_s`` ahead; past either it is closed 1008 as above. Eight
+  connections of 1 MB JSON messages, each under the byte budget, saturated the loop (issue
+  67); what all connections spend together is the overload manager's (server/overload.py),
+  which sheds new work past its ceiling.
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ class ParseMeter:
     """The loop's time handling text messages: per connection and per address (buckets of
     seconds), and in all (``spent_s``, read by the overload manager)."""
 
-    def __init__(self, limits: ParseLimits, proxies: list[str]) -> None:
+    def __init__(self, limits: ParseLimits, proxies: list[str], ipv6_prefix: int = 64) -> None:
         self.limits = limits
         self._proxies = proxies
+        self._ipv6_prefix = ipv6_prefix
         rate = limits.address_ms_per_s / 1000
         self._addresses = AddressBuckets(rate, limits.burst_s) if rate > 0 else None
         self.spent_s = 0.0  # in all, since the start
@@ -114,7 +116,7 @@ class ParseMeter:
     def address(self, client: tuple[str, int] | None) -> str | None:
         """The address charged for ``client``'s connections: None for loopback (this host: the
         benchmarks, a proxy beside the server), a trusted proxy, or with no address budget."""
-        key = address_key(client, self._proxies) if self._addresses is not None else None
+        key = address_key(client, self._proxies, self._ipv6_prefix) if self._addresses is not None else None
         if key is None or ipaddress.ip_network(key, strict=False).is_loopback:
             return None
         return key
