@@ -179,3 +179,23 @@ def test_served_model_name_reads_as_vllms_flag_and_its_variable(monkeypatch: pyt
     assert parsed().served_model_name == ("a", "b", "c")
     with pytest.raises(ValueError, match="not among --served-model-name"):
         parsed("--model", "x", "--served-model-name", "a").validate()
+
+
+def test_twilio_names_its_model_in_the_path(server: ServerProcess) -> None:
+    """Twilio drops a <Stream> URL's query: /v1/twilio/MODEL, the path a gateway routes on, is
+    served as ?model=MODEL (audio comes back), and another model's path is refused (1008)."""
+    from tests.twilio_client import FakeTwilio
+
+    async def main() -> tuple[int, int | None]:
+        served = FakeTwilio(server.ws(f"/v1/twilio/{ALIAS}"))
+        await served.open()
+        await served.send_audio(bytes([0xFF]) * 640 * 5)
+        await served.wait_audio(640)
+        await served.close()
+        other = FakeTwilio(server.ws("/v1/twilio/moshi-7b"))
+        await other.open()
+        received = await other.wait_closed()
+        return len(served.received.audio), received.close_code
+
+    got, code = asyncio.run(main())
+    assert got >= 640 and code == 1008

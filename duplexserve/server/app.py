@@ -42,6 +42,7 @@ from duplexserve.server.protocols.moshi_chat import MoshiConnection
 from duplexserve.server.protocols.native import NativeConnection
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
 from duplexserve.server.protocols.twilio.adapter import TwilioConnection
+from duplexserve.server.protocols.twilio.path import rewrite_model_path
 from duplexserve.server.protocols.twilio.wire import TwilioCollector
 from duplexserve.server.served_models import served_names
 from duplexserve.server.transports.websocket.budgets import ParseLimits, ParseMeter
@@ -210,6 +211,7 @@ class DuplexApp:
         if self.forwarded is not None and scope["type"] != "lifespan":
             self.forwarded.rewrite(scope)
         if scope["type"] == "websocket":
+            rewrite_model_path(scope)  # /v1/twilio/MODEL: Twilio drops the Stream URL's query
             protocol = PROTOCOLS.get(scope["path"])
             if protocol is None:
                 await receive()
