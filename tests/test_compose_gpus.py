@@ -28,6 +28,7 @@ from tests import test_nginx
 from tests.resume_client import ResumingClient
 from tests.test_kubernetes import require_tool
 from tests.test_nginx import NGINX, REPLICA, Live, nginx_in_front, refused_status, sessions
+from tests.twilio_client import FakeTwilio
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATOR = ROOT / "scripts" / "compose-gpus.py"
@@ -178,8 +179,8 @@ async def wait_draining(server) -> None:
 @pytest.mark.skipif(not os.path.exists(NGINX), reason=f"nginx not installed at {NGINX}")
 def test_several_models_behind_one_nginx(server_factory, tmp_path, monkeypatch) -> None:
     """--models: four servers, two models, one nginx. ?model= goes to that model's replicas, no
-    ?model= to the first model's, an unknown one is refused by them (model_not_found), and a
-    resume still reaches its replica."""
+    ?model= to the first model's, an unknown one is refused by them (model_not_found), a
+    resume still reaches its replica, and /v1/twilio/MODEL reaches MODEL's replicas."""
     models = ["hibiki-zero-3b", "moshi-7b", "hibiki-zero-3b", "moshi-7b"]
     spec = ",".join(f"{m}=kyutai/{m};DUPLEXSERVE_MOSHI_KV_DTYPE=int8" for m in models)
     assert generate(tmp_path / "gpus", "0,1,2,3", "--cpu", "--models", spec).returncode == 0
@@ -217,6 +218,14 @@ def test_several_models_behind_one_nginx(server_factory, tmp_path, monkeypatch) 
         assert len(client.frames) == 4
         for s in live:
             await s.finish()
+        # A phone call names its model in the path (Twilio drops the query): each model's call
+        # reaches a replica serving it, which would refuse (1008) a call for the other model.
+        for model in ["moshi-7b", "hibiki-zero-3b"]:
+            call = FakeTwilio(url.replace("/v1/duplex", f"/v1/twilio/{model}"))
+            await call.open()
+            await call.send_audio(bytes([0xFF]) * 640 * 3)
+            await call.wait_audio(640)
+            await call.close()
 
     with nginx_in_front(tmp_path, *servers) as url:
         asyncio.run(main(url))
