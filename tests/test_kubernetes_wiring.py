@@ -22,13 +22,19 @@ from typing import Any
 import httpx
 import pytest
 
+from duplexserve.server.app import PROTOCOLS
 from tests.conftest import start_server
 from tests.test_kubernetes import KUBE, OVERLAYS, container_env, one, render
 
 Objects = list[dict[str, Any]]
 METRIC = re.compile(r"\b(duplexserve_[a-z0-9_]+)(\{[^}]*\})?")
 #: What the Gateway must not route: Prometheus scrapes the pods, the kubelet probes them.
-PRIVATE = ("/metrics", "/docs", "/redoc", "/openapi.json", "/health", "/ready")
+PRIVATE = ("/metrics", "/docs", "/redoc", "/openapi.json", "/health")
+#: What a client asks a model for, so the model's rule must take each (with ?model=): the
+#: WebSocket protocols, WebRTC's calls, hangup and ICE servers, and /ready (the talk page asks
+#: it before a WebRTC call). A phone call's model is in its path: /v1/twilio/MODEL.
+PUBLIC = (*PROTOCOLS, "/v1/realtime/calls", "/v1/realtime/calls/rtc_0/hangup", "/v1/realtime/ice_servers",
+          "/v1/realtime/client_secrets", "/v1/models", "/ready", "/")
 #: kube-prometheus-stack's selector label, as docs/deploy-kubernetes.md installs the stack.
 RELEASE = {"release": "kube-prometheus-stack"}
 
@@ -130,6 +136,12 @@ def faults(objects: Objects, gateway: Objects, exported: set[str]) -> list[str]:
              if q["name"] == "model"}
     if asked != {model}:
         found.append(f"HTTPRoute: routes ?model={sorted(asked)} to a server of {model!r}")
+    for path in PUBLIC:
+        if not any(matches(m, path) for m in by_model["matches"]):
+            found.append(f"HTTPRoute: does not route {path}?model={model}")
+    if not any(matches(m, f"/v1/twilio/{model}") and "queryParams" not in m
+               for r in route["spec"]["rules"] for m in r["matches"]):
+        found.append(f"HTTPRoute: does not route /v1/twilio/{model}")
     if not any(t["name"] == route["metadata"]["name"]
                for t in one(objects, "BackendTrafficPolicy")["spec"]["targetRefs"]):
         found.append("BackendTrafficPolicy: applies to no route of the overlay")
