@@ -22,6 +22,9 @@ from duplexserve.server.gc_pauses import GcPauses
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.2)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512)
+#: Session end reasons exported from the start, at 0: an alert's rate() over them has a series
+#: before the first session ends (the error ones are what deploy/kubernetes alerts on).
+ALWAYS_ENDED = ("completed", "engine_error", "internal_error")
 LOOP_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 
 
@@ -98,6 +101,12 @@ class ServerCollector(Collector):
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
         ):
             yield CounterMetricFamily(f"duplexserve_{name}", help_text, value=value)
+        by_reason = CounterMetricFamily(
+            "duplexserve_sessions_ended", "sessions ended, by their session.closed reason", labels=["reason"]
+        )
+        for reason, value in sorted({**dict.fromkeys(ALWAYS_ENDED, 0), **counts.ended}.items()):
+            by_reason.add_metric([reason], value)
+        yield by_reason
         failures = CounterMetricFamily(
             "duplexserve_output_failures",
             "sessions ended with internal_error because their output could not be rendered "

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from duplexserve import errors
@@ -44,6 +44,9 @@ class Counts:
     frames_out: int = 0
     frames_dropped: int = 0
     output_failures: int = 0  # sessions ended because their output could not be handed on
+    #: Sessions ended, by their session.closed reason (completed, engine_error, ...): the alerts
+    #: watch the share that ended in error (deploy/kubernetes/base/prometheusrule.yaml).
+    ended: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class Orchestrator(Admission, Sweeper):
@@ -266,6 +269,7 @@ class Orchestrator(Admission, Sweeper):
         closed = session.closed_event
         self.counts.sessions_closed += 1
         if closed is not None:
+            self.counts.ended[closed.reason] += 1
             self.counts.frames_in += closed.frames_in
             self.counts.frames_out += closed.frames_out
             self.counts.frames_dropped += closed.frames_dropped
