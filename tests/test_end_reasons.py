@@ -26,8 +26,8 @@ def server(tmp_path_factory) -> Any:
 
 def ended(server: ServerProcess) -> dict[str, float]:
     text = httpx.get(server.http + "/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^duplexserve_sessions_ended_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)}
+    line = re.compile(r'^duplexserve_sessions_ended_total\{reason="([a-z_]+)"\} (\S+)$', re.M)
+    return {m.group(1): float(m.group(2)) for m in line.finditer(text)}
 
 
 def test_end_reasons_are_counted(server: ServerProcess) -> None:
