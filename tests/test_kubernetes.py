@@ -108,14 +108,15 @@ def test_every_object_validates(rendered) -> None:
     _, objects = rendered
     kinds = {o["kind"] for o in objects}
     assert kinds == {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "HTTPRoute",
-                     "BackendTrafficPolicy", "ScaledObject", "ServiceMonitor", "PrometheusRule"}
+                     "BackendTrafficPolicy", "ScaledObject", "ServiceMonitor", "PrometheusRule",
+                     "NetworkPolicy"}
     validate_all(objects)
 
 
 def test_the_shared_gateway_validates() -> None:
     objects = render(KUBE / "gateway")
     kinds = {o["kind"] for o in objects}
-    assert kinds == {"Namespace", "Gateway", "HTTPRoute", "ClientTrafficPolicy", "ConfigMap"}
+    assert kinds == {"Namespace", "Gateway", "HTTPRoute", "ClientTrafficPolicy", "ConfigMap", "PriorityClass"}
     validate_all(objects)
 
 
@@ -239,3 +240,21 @@ def test_one_dashboard_for_every_model_in_grafanas_namespace() -> None:
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboard["metadata"]["namespace"] == "monitoring"
     assert json.loads(dashboard["data"]["duplexserve.json"])["uid"] == "duplexserve-fleet"
+
+
+def test_pods_spread_outrank_batch_work_and_take_calls_only_from_the_gateway(rendered) -> None:
+    """Issue 75: replicas spread over nodes and zones, carry the shared PriorityClass, and a
+    NetworkPolicy admits the API port only from Envoy Gateway's proxies and Prometheus."""
+    _, objects = rendered
+    pod = one(objects, "Deployment")["spec"]["template"]
+    spread = pod["spec"]["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in spread} == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    assert all(c["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items() for c in spread)
+    classes = [o for o in render(KUBE / "gateway") if o["kind"] == "PriorityClass"]
+    assert [c["metadata"]["name"] for c in classes] == [pod["spec"]["priorityClassName"]]
+    policy = one(objects, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    tcp = [r for r in policy["ingress"] if "from" in r]
+    assert [{p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in r["from"]}
+            for r in tcp] == [{"envoy-gateway-system", "monitoring"}]
+    assert tcp[0]["ports"] == [{"protocol": "TCP", "port": 8998}]
