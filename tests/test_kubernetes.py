@@ -258,3 +258,13 @@ def test_pods_spread_outrank_batch_work_and_take_calls_only_from_the_gateway(ren
     assert [{p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in r["from"]}
             for r in tcp] == [{"envoy-gateway-system", "monitoring"}]
     assert tcp[0]["ports"] == [{"protocol": "TCP", "port": 8998}]
+
+
+def test_delete_by_label_keeps_the_namespace(rendered) -> None:
+    """docs/deploy-kubernetes.md removes a model with ``kubectl delete -k OVERLAY -l
+    app.kubernetes.io/part-of=duplexserve``: that selects every object but the Namespace, whose
+    deletion would take the weights claim and the key Secret with it."""
+    _, objects = rendered
+    selected = {o["kind"] for o in objects
+                if o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "duplexserve"}
+    assert selected == {o["kind"] for o in objects} - {"Namespace"}
