@@ -192,10 +192,8 @@ def test_twilio_names_its_model_in_the_path(server: ServerProcess) -> None:
         await served.send_audio(bytes([0xFF]) * 640 * 5)
         await served.wait_audio(640)
         await served.close()
-        other = FakeTwilio(server.ws("/v1/twilio/moshi-7b"))
-        await other.open()
-        received = await other.wait_closed()
-        return len(served.received.audio), received.close_code
+        _, code = await first_and_close(server.ws("/v1/twilio/moshi-7b"))
+        return len(served.received.audio), code
 
     got, code = asyncio.run(main())
     assert got >= 640 and code == 1008
