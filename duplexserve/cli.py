@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 
+from duplexserve.check import model_source
 from duplexserve.check.requirements import INSTALL_MOSHI, MOSHI_NEEDS
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "reads an environment variable, named in its help.",
     )
     ServerConfig.add_arguments(serve_p, notes={"moshi_preset": preset_note()})
+    model_source.add_model_argument(serve_p)
     sub.add_parser("check", help="what this machine and these options give, without serving "
                    "(paste it into a bug report)", define=from_module("duplexserve.check.command"))
     sub.add_parser("loadgen", help="drive a server with sessions and measure it",
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
                    formatter_class=argparse.RawDescriptionHelpFormatter,
                    define=from_module("duplexserve.bench.command"))
     args = parser.parse_args(argv)
+    if args.command in ("serve", "check"):
+        try:  # MODEL: the settings it stands for
+            model_source.apply(args, sys.argv[1:] if argv is None else argv)
+        except ValueError as exc:
+            print(f"duplexserve {args.command}: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.command == "serve":
             return serve(args)
@@ -70,6 +78,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"duplexserve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc} "
               "(another server there? --port picks another)", file=sys.stderr)
         return 1
+    try:  # MODEL, a repository: what the cache lacks is downloaded (model_source.py)
+        model_source.fetch(args)
+    except model_source.CannotFetch as exc:
+        sock.close()
+        print(f"duplexserve serve: {exc}", file=sys.stderr)
+        return 2
     try:
         config = preflight(config)
     except CannotServe as exc:

@@ -18,6 +18,7 @@ from pathlib import Path
 import duplexserve
 from duplexserve.check.machine import GIB, Torch, driver_gpus, host_available, probe_torch
 from duplexserve.check.model import Model, ModelError, checkpoint_named, resolve_model
+from duplexserve.check.model_source import add_model_argument
 from duplexserve.check.plan import DTYPE_BYTES, LOAD_SLACK, auto_slots, kv_per_slot, lm_dtype, plan
 from duplexserve.check.requirements import (
     INSTALL_MOSHI,
@@ -37,6 +38,7 @@ Line = Callable[[str, str], None]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
+    add_model_argument(parser)  # as serve's, never downloading
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,8 @@ from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset, str
 
 WEIGHTS_FIX = "point --moshi-weights at a folder laid out like the checkpoint's Hugging Face repository"
 SETTINGS_FIX = "docs/moshi-engine.md (Weights) says what a checkpoint needs and which settings go together"
-FETCH = "fetch it into the cache once (the server never downloads): huggingface-cli download"
+FETCH = ("fetch it into the cache once (--moshi-hf-repo and check never download; "
+         "`duplexserve serve OWNER/NAME` does): huggingface-cli download")
 
 
 @dataclass(frozen=True)
