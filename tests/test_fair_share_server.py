@@ -11,10 +11,7 @@ never latencies.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -22,56 +19,10 @@ import pytest
 import websockets.asyncio.client
 import websockets.exceptions
 
-from tests import raw_ws
+from duplexserve.bench.attacks import ForwardedFlood, ParseFlood, forwarded_ws
 from tests.test_hostile_transport import KEY, paced_session
 
 PROXY = ("--forwarded-allow-ips", "127.0.0.1")
-
-
-class ForwardedFlood:
-    """``connections`` threads, each pipelining ``GET path`` 32 a write as forwarded client
-    ``clients[i % len(clients)]``, reconnecting whenever closed."""
-
-    def __init__(self, port: int, clients: list[str], connections: int, path: str = "/v1/models") -> None:
-        self.port, self.clients, self.path = port, clients, path
-        self.requests = 0
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(connections)
-        ]
-
-    def __enter__(self) -> ForwardedFlood:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
-
-    def _run(self, i: int) -> None:
-        client = self.clients[i % len(self.clients)]
-        head = f"GET {self.path}?token={KEY} HTTP/1.1\r\nhost: x\r\nx-forwarded-for: {client}\r\n\r\n"
-        blob = head.encode() * 32
-        while not self._stop.is_set():
-            sock = socket.socket()
-            try:
-                sock.connect(("127.0.0.1", self.port))
-                threading.Thread(target=_drain, args=(sock,), daemon=True).start()
-                while not self._stop.is_set():
-                    sock.sendall(blob)
-                    self.requests += 32
-            except OSError:
-                time.sleep(0.005)
-            finally:
-                sock.close()
-
-
-def _drain(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while sock.recv(1 << 16):
-            pass
 
 
 def honest_requests(server, client: str, count: int = 48) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
@@ -99,7 +50,7 @@ def test_a_flood_cannot_fill_the_http_ceiling_for_an_honest_client(server_factor
     baseline = honest_requests(server, "192.0.2.77", 8)
     assert all(code == 200 for codes in baseline.values() for code in codes), baseline
     attackers = [f"10.2.0.{c}" for c in range(clients)]
-    with ForwardedFlood(server.port, attackers, connections):
+    with ForwardedFlood(server.port, attackers, connections, f"/v1/models?token={KEY}"):
         time.sleep(1.0)
         codes = honest_requests(server, "192.0.2.77")
     print(f"honest {codes}")
@@ -107,55 +58,6 @@ def test_a_flood_cannot_fill_the_http_ceiling_for_an_honest_client(server_factor
     assert refused == {"/v1/models": [], "/health": []}, refused
     metrics = server.metrics()
     assert metrics['duplexserve_fair_share_cut_total{work="http_request"}'] > 0
-
-
-def forwarded_ws(port: int, client: str) -> socket.socket:
-    """A WebSocket upgraded as forwarded ``client``, its session.created read."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=20)
-    sock.sendall(
-        f"GET /v1/duplex?token={KEY} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
-        f"X-Forwarded-For: {client}\r\n\r\n".encode()
-    )
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed during the handshake")
-        data += chunk
-    assert b" 101 " in data.split(b"\r\n")[0], data[:200]
-    return sock
-
-
-class ParseFlood:
-    """One key holder's connections, each sending a large JSON text message (about 2-4 ms of
-    the loop's handling) ``per_s`` times a second: under its 25 ms/s parse budget each, far
-    over the loop's capacity together."""
-
-    def __init__(self, socks: list[socket.socket], per_s: float = 10.0) -> None:
-        message = json.dumps({"type": "x", "pad": list(range(30_000))}).encode()
-        self.blob, self.period = raw_ws.frame(0x81, message), 1.0 / per_s
-        self.socks = socks
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in socks]
-
-    def __enter__(self) -> ParseFlood:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
-        for sock in self.socks:
-            sock.close()
-
-    def _run(self, sock: socket.socket) -> None:
-        threading.Thread(target=_drain, args=(sock,), daemon=True).start()
-        with contextlib.suppress(OSError):  # closed by the server
-            while not self._stop.wait(self.period):
-                sock.sendall(self.blob)
 
 
 async def open_session(url: str, client: str) -> int | None:
@@ -183,7 +85,7 @@ def test_a_heavy_client_over_its_share_is_cut_and_an_honest_newcomer_admitted(se
     )
     url = server.ws("/v1/duplex", f"token={KEY}")
     assert asyncio.run(open_session(url, "192.0.2.1")) is None  # baseline: admitted
-    socks = [forwarded_ws(server.port, "203.0.113.9") for _ in range(40)]
+    socks = [forwarded_ws(server.port, "203.0.113.9", f"/v1/duplex?token={KEY}") for _ in range(40)]
 
     async def newcomers() -> list[int | None]:
         live = asyncio.create_task(paced_session(url, 5))  # a live session through it all: exact echo
