@@ -104,3 +104,13 @@ def test_many_clients_cannot_fill_the_http_ceiling_nor_the_probe_reserve():
     assert sum(served.values()) < 6000  # refused: every heavy client is over its share
     assert manager.cut["http_request"] > 0
     print(f"{elapsed:.2f} s; served {sum(served.values())} of 6000 flood requests")
+
+
+def test_the_map_of_clients_stays_bounded_under_a_flood_of_new_addresses():
+    from duplexserve.server.core import fair_share
+
+    share = FairShare(capacity=100.0, floor=2.0)
+    for c in range(fair_share.MAX_CLIENTS + 100):
+        share.charge(f"2001:db8:{c:x}::/64", 1.0, 0.0)
+    assert len(share._costs) <= fair_share.MAX_CLIENTS
+    assert share.active(0.0) == len(share._costs)

@@ -12,7 +12,8 @@ share are refused or cut. Sans-I/O: the caller passes the time; the overload man
 A client's cost is an exponentially decaying sum (time constant ``tau_s``): its value over
 ``tau_s`` is the client's recent rate, in the resource's unit a second. A client counts as
 active while that rate is above :data:`IDLE` of the share's floor. The map holds at most
-:data:`MAX_CLIENTS` (past it, the idlest are forgotten), and the active count and the total
+:data:`MAX_CLIENTS` (past it, the idle are forgotten, else the cheapest eighth at once: a
+flood of new addresses costs one scan in thousands of charges), and the active count and the total
 are recomputed at most every :data:`REFRESH_S` (between, a new client and a charge are added
 as they come), not per charge.
 """
@@ -103,5 +104,8 @@ class FairShare:
     def _forget(self, now: float) -> None:
         self._refreshed = -math.inf
         self._refresh(now)
-        while len(self._costs) >= MAX_CLIENTS:  # every one is active: the cheapest go
-            del self._costs[min(self._costs, key=lambda c: self._decayed(c, now))]
+        if len(self._costs) >= MAX_CLIENTS:  # every one is active: the cheapest eighth go at once
+            cheapest = sorted(self._costs, key=lambda c: self._decayed(c, now))[: MAX_CLIENTS // 8]
+            for client in cheapest:
+                del self._costs[client]
+            self._active -= len(cheapest)
