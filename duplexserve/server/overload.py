@@ -67,6 +67,11 @@ LOOP_FLOOR_S = 0.02
 #: ... nor fewer requests a second of the HTTP ceiling, nor probes of the reserve.
 HTTP_FLOOR = 2.0
 PROBE_FLOOR = 0.5
+#: While the loop lags, the HTTP ceiling is cut by this factor a probe, down to this part of
+#: it; calm, it grows back by this part of it a probe (a second from the least to the whole).
+CEILING_CUT = 0.8
+CEILING_MIN = 0.1
+CEILING_GROW = 0.05
 #: The loop nears its capacity when the clients' charged work passes this part of it.
 PRESSED = 0.8
 #: An overload is someone's while a client was over its share this recently: until then,
@@ -202,6 +207,13 @@ class OverloadManager:
         """At each probe: near the loop's capacity, close the costliest connections of the
         clients over their share, half of a client's at a time (at least one)."""
         share = self.loop_share
+        requests = self._requests
+        if requests is not None:  # the ceiling gives way while the loop lags, comes back once calm
+            base = self.thresholds.http_requests_per_s
+            if self.overloaded or self._hot > 0:
+                requests.capacity = max(base * CEILING_MIN, requests.capacity * CEILING_CUT)
+            else:
+                requests.capacity = min(base, requests.capacity + base * CEILING_GROW)
         self.pressed = self.overloaded or self._hot > 0 or share.total(now) > PRESSED * share.capacity
         if not self.pressed:
             return
