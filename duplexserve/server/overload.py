@@ -277,7 +277,8 @@ class OverloadManager:
                     requests.charge(client, 1.0, now)
                 self.loop_share.charge(client, HTTP_REQUEST_S, now)
                 return None
-            self._blamed_at = now  # over its share of the ceiling: the overload is its
+            if self.overloaded or self._hot:  # over its share of the ceiling: the overload is its
+                self._blamed_at = now
             if path not in PROBES:
                 self.shed["http_request"] += 1
                 self.cut["http_request"] += 1
