@@ -32,7 +32,7 @@ from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server import auth, gc_pauses, personas
 from duplexserve.server.calls import WebRTCCalls, WebRTCCollector
 from duplexserve.server.core.adapter import ProtocolAdapter
-from duplexserve.server.core.client_address import ForwardedFor
+from duplexserve.server.core.client_address import ForwardedFor, client_of
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.session import Limits
 from duplexserve.server.http_errors import http_error
@@ -128,8 +128,10 @@ class DuplexApp:
             config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000, config.overload_parse_share
         )
         self.overload = OverloadManager(
-            thresholds, lambda: self.orchestrator.bridge.take_gil_wait(), self.parse.take_spent
+            thresholds, lambda: self.orchestrator.bridge.take_gil_wait(), self.parse.take_spent,
+            config.client_ipv6_prefix,
         )
+        self.parse.fair = self.overload  # text messages charged to their client's fair share
         self.metrics.registry.register(OverloadCollector(self.overload))
         self.http = self._http_app()
         self.api_keys = auth.parse_list(config.api_keys)
@@ -217,7 +219,8 @@ class DuplexApp:
                 return
             transport = WebSocketTransport(scope, receive, send, self.config)
             adapter = protocol(transport, self.orchestrator, self.config, self.codec_pool, self.codec_procs)
-            if not self.overload.admit_session():  # before any work for it
+            client = client_of(scope)
+            if not self.overload.admit_session(client and self.overload.key(client.host)):  # before any work
                 if (await receive())["type"] == "websocket.connect":
                     await adapter.refuse(errors.TRY_AGAIN, "server_unavailable", "overloaded: retry later")
                 return
