@@ -74,8 +74,9 @@ def test_no_kernel_reads_what_a_reset_row_held(preset, options):
 def test_a_prompted_slot_reads_nothing_its_last_session_held(personaplex_checkpoint):
     """A prompt's prefill attends over the LM's ring too (live_lm.py's ``_prefill``)."""
     x = signal(5, 6)
-    want = session(engine_of("tiny-personaplex", checkpoint=personaplex_checkpoint, prompt_cache_mb=0), x, PROMPT)
-    engine = engine_of("tiny-personaplex", checkpoint=personaplex_checkpoint, prompt_cache_mb=0)
+    options = {"checkpoint": personaplex_checkpoint, "prompt_cache_mb": 0}
+    want = session(engine_of("tiny-personaplex", **options), x, PROMPT)
+    engine = engine_of("tiny-personaplex", **options)
     session(engine, signal(9, 11), PROMPT)
     _poison_rings(engine)
     assert_same(session(engine, x, PROMPT), want)

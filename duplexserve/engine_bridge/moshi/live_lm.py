@@ -190,7 +190,9 @@ class LiveAttention(StreamingMultiheadAttention):
         return self.out_projs[0](x.transpose(1, 2).reshape(b, t, -1))
 
 
-def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """``reference_attention`` over a ring whose slots no query may see (``mask`` ``[B, 1, T,
     C]``) are zeroed first. SDPA's boolean mask still lets a masked slot into the arithmetic
     (a NaN key's score stays NaN, a NaN value times its weight 0 is NaN), and the ring's
