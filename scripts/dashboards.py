@@ -85,7 +85,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
     ("Overload and shedding", "short", [
         (f"sum by (pod) (rate(duplexserve_overload_seconds_total{{{NS}}}[$__rate_interval]))",
          "{{pod}} overloaded (s/s)"),
-        (f"sum by (work) (rate(duplexserve_overload_shed_total{{{NS}}}[$__rate_interval]))", "shed: {{work}}"),
+        (f"sum by (work) (rate(duplexserve_overload_shed_total{{{NS}}}[$__rate_interval]))",
+         "shed: {{work}}"),
         (f"sum by (work) (rate(duplexserve_fair_share_cut_total{{{NS}}}[$__rate_interval]))",
          "over fair share: {{work}}"),
     ], "Time overloaded a second; work shed (503, 1013) and work of clients over their fair share "
