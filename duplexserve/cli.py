@@ -10,6 +10,7 @@ import sys
 from duplexserve.check.requirements import INSTALL_MOSHI, MOSHI_NEEDS
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
+from duplexserve.options import settle
 from duplexserve.subcommands import DefaultsHelpFormatter, LazyParser, from_module
 
 #: The optional packages a command may import, by the pyproject.toml extra that installs
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    config = ServerConfig.from_namespace(args)
+    config = settle(args, "duplexserve serve")
     try:
         config.validate()
     except ValueError as exc:  # one line: the top-level usage would say nothing of serve's options
