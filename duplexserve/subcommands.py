@@ -38,6 +38,8 @@ class LazyParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         self._defined()
+        if self.usage is None:  # every option spelt out is 100 lines for serve: the help lists them
+            self.usage = self.short_usage()
         return super().format_help()
 
     def error(self, message: str) -> NoReturn:
