@@ -23,13 +23,13 @@ BENCH_HOLDS = ("loadgen",)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duplexserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
-    serve_p = sub.add_parser(
+    sub.add_parser(
         "serve",
         help="run the WebSocket server",
         description="Serve full-duplex speech sessions over WebSocket. Every flag also "
         "reads an environment variable, named in its help.",
+        define=serve_options,  # the variables read, and refused, only when serve is chosen
     )
-    ServerConfig.add_arguments(serve_p, notes={"moshi_preset": preset_note()})
     sub.add_parser("check", help="what this machine and these options give, without serving "
                    "(paste it into a bug report)", define=from_module("duplexserve.check.command"))
     sub.add_parser("loadgen", help="drive a server with sessions and measure it",
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(line, file=sys.stderr)
         return 2
+
+
+def serve_options(parser: argparse.ArgumentParser) -> None:
+    ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
 
 
 def serve(args: argparse.Namespace) -> int:
