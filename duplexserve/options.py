@@ -93,8 +93,9 @@ def unknown_environment() -> list[str]:
             continue
         if rest.startswith(NOT_SETTING_PREFIXES):
             continue
-        close = difflib.get_close_matches(name, settings, n=1)
-        guess = f"; did you mean {close[0]} ({settings[close[0]]})?" if close else ""
+        close = difflib.get_close_matches(rest, [s[len(ENV_PREFIX):] for s in settings], n=1)  # the prefix
+        near = ENV_PREFIX + close[0] if close else ""  # matches every one: compared without it
+        guess = f"; did you mean {near} ({settings[near]})?" if close else ""
         lines.append(f"{name} is no setting, ignored{guess}")
     return lines
 
