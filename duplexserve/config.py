@@ -50,13 +50,14 @@ def int_or_auto(text: str) -> int:
 
 
 def tcp_port(text: str) -> int:
-    """``--port``: 1..65535 (uvicorn's OverflowError otherwise, after the model's load)."""
+    """``--port``: 0..65535 (0: one the system picks, as the tests use it); uvicorn's
+    OverflowError otherwise, after the model's load."""
     try:
         port = int(text)
     except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise SettingError(f"{text!r} is no TCP port: a whole number from 1 to 65535")
+        port = -1
+    if not 0 <= port <= 65535:
+        raise SettingError(f"{text!r} is no TCP port: a whole number from 1 to 65535 (0: any free one)")
     return port
 
 
@@ -79,7 +80,7 @@ def folder(text: str) -> str:
 @dataclass
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8998, "TCP port to listen on", parse=tcp_port)
+    port: int = _opt(8998, "TCP port to listen on (0: one the system picks)", parse=tcp_port)
     ws: str = _opt(
         "fast",
         "WebSocket implementation: fast (uvicorn's sans-I/O protocol with our callback fast path,"

@@ -15,8 +15,6 @@ import httpx
 import pytest
 
 from duplexserve.config import ServerConfig
-from duplexserve.option_table import GROUPS
-from duplexserve.options import NOT_SETTING_PREFIXES, NOT_SETTINGS
 from tests.duplexserve_cli import run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +58,7 @@ def test_a_busy_port_is_said_before_the_model_loads():
 #: A bad value each, by flag or by variable: (arguments, environment, what the line says).
 BAD_VALUES = [
     (("--port", "99999"), {}, "argument --port: '99999' is no TCP port: a whole number from 1 to 65535"),
-    (("--port", "0"), {}, "argument --port: '0' is no TCP port"),
+    (("--port=-1",), {}, "argument --port: '-1' is no TCP port"),
     ((), {"DUPLEXSERVE_PORT": "70000"}, "DUPLEXSERVE_PORT='70000': '70000' is no TCP port"),
     ((), {"DUPLEXSERVE_WS": "bogus"}, "DUPLEXSERVE_WS='bogus': not one of fast, websockets-sansio, "
                                       "websockets"),
@@ -167,6 +165,8 @@ def test_an_unknown_variable_is_warned_of_with_the_closest_setting():
 def test_every_duplexserve_variable_the_repository_names_is_a_setting_or_known():
     """The scripts', docker files' and tests' own variables get no warning; a new one is added to
     options.NOT_SETTINGS, or it would be warned of as a misspelt setting."""
+    from duplexserve.options import NOT_SETTING_PREFIXES, NOT_SETTINGS
+
     settings = {f.name.upper() for f in dataclasses.fields(ServerConfig)}
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
     named = set()
@@ -183,6 +183,8 @@ def test_every_duplexserve_variable_the_repository_names_is_a_setting_or_known()
 
 
 def test_serve_help_groups_every_option_common_first():
+    from duplexserve.option_table import GROUPS
+
     text = run("serve", "--help").stdout
     assert text.startswith("usage: duplexserve serve [options]\n")
     headings = [line[:-1] for line in text.splitlines() if re.fullmatch(r"[a-z][a-z -]*:", line)]
