@@ -258,3 +258,16 @@ def test_a_busy_port_is_a_reason_serve_would_not_start():
     done = run("check", "--host", "192.0.2.1")  # TEST-NET-1: no address of this machine
     assert done.returncode == 1 and "cannot listen on 192.0.2.1:" in done.stdout
     assert "Cannot assign requested address" in done.stdout
+
+
+def test_a_config_or_lora_beside_a_preset_is_refused(tmp_path):
+    """A preset's random weights took neither, without a word: serve started."""
+    (tmp_path / "lora.safetensors").write_bytes(b"")
+    for flag in ("--moshi-lora", "--moshi-config"):
+        done = run("check", "--engine", "moshi", "--moshi-preset", "tiny", "--device", "cpu",
+                   "--max-sessions", "1", flag, str(tmp_path / "lora.safetensors"))
+        assert done.returncode == 1, done.stdout
+        errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
+        said = f"{flag} {tmp_path / 'lora.safetensors'} applies to a checkpoint, and none is named " \
+               "(preset tiny)"
+        assert errors and f"{said}; name the checkpoint" in errors[0], done.stdout
