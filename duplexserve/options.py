@@ -21,7 +21,7 @@ from duplexserve.config import ENV_PREFIX, GIVEN, ServerConfig
 from duplexserve.option_table import engine_of
 
 #: ``DUPLEXSERVE_*`` variables that are no setting of ``serve`` yet are read elsewhere: by the
-#: scripts, docker files and tests (tests/test_option_environment.py checks the repository names
+#: scripts, docker files and tests (tests/test_cli_errors.py checks the repository names
 #: no other), or by a module (DUPLEXSERVE_NO_LIBOPUS, DUPLEXSERVE_SPEECH_WAV).
 NOT_SETTINGS = frozenset({
     "API_KEY", "CHROMIUM", "COTURN_IMAGE", "DOCKER_BASE", "DOCKER_KEEP", "GPU", "GPUS", "HTTP", "IMAGE",
