@@ -11,6 +11,7 @@ from duplexserve.check import model_source
 from duplexserve.check.requirements import INSTALL_MOSHI, MOSHI_NEEDS
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
+from duplexserve.options import settle
 from duplexserve.subcommands import DefaultsHelpFormatter, LazyParser, from_module
 
 #: The optional packages a command may import, by the pyproject.toml extra that installs
@@ -23,14 +24,13 @@ BENCH_HOLDS = ("loadgen",)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duplexserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
-    serve_p = sub.add_parser(
+    sub.add_parser(
         "serve",
         help="run the WebSocket server",
         description="Serve full-duplex speech sessions over WebSocket. Every flag also "
         "reads an environment variable, named in its help.",
+        define=serve_options,  # the variables read, and refused, only when serve is chosen
     )
-    ServerConfig.add_arguments(serve_p, notes={"moshi_preset": preset_note()})
-    model_source.add_model_argument(serve_p)
     sub.add_parser("check", help="what this machine and these options give, without serving "
                    "(paste it into a bug report)", define=from_module("duplexserve.check.command"))
     sub.add_parser("loadgen", help="drive a server with sessions and measure it",
@@ -58,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def serve_options(parser: argparse.ArgumentParser) -> None:
+    ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
+    model_source.add_model_argument(parser)
+
+
 def serve(args: argparse.Namespace) -> int:
-    config = ServerConfig.from_namespace(args)
+    config = settle(args, "duplexserve serve")
     try:
         config.validate()
     except ValueError as exc:  # one line: the top-level usage would say nothing of serve's options

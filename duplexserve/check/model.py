@@ -82,6 +82,13 @@ def resolve_model(config: ServerConfig) -> Model:
         described, mimi, model_type = f"checkpoint {name}", info.mimi_config, info.model_type
         tokenizer = bool(info.tokenizer)
     else:
+        for flag, path in (("--moshi-config", config.moshi_config), ("--moshi-lora", config.moshi_lora)):
+            if path:  # a preset's random weights would take neither, without a word
+                what = f"{flag} {path} applies to a checkpoint, and none is named (preset " \
+                       f"{config.moshi_preset})"
+                fix = f"name the checkpoint (--moshi-weights DIR, --moshi-hf-repo OWNER/NAME), or leave " \
+                      f"{flag} out"
+                raise ModelError(Problem(what, fix))
         tokenizer = bool(config.moshi_tokenizer)
         if tokenizer and not Path(config.moshi_tokenizer).is_file():
             fix = "point it at a SentencePiece model, or leave it out (no text)"
