@@ -187,7 +187,7 @@ def test_serve_help_groups_every_option_common_first():
     from duplexserve.option_table import GROUPS
 
     text = run("serve", "--help").stdout
-    assert text.startswith("usage: duplexserve serve [options]\n")
+    assert text.startswith("usage: duplexserve serve [MODEL] [options]\n")
     headings = [line[:-1] for line in text.splitlines() if re.fullmatch(r"[a-z][a-z -]*:", line)]
     assert headings == ["options", *(g.title for g in GROUPS), "advanced"]
     assert headings[1:3] == ["model", "server"]

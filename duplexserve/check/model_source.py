@@ -39,7 +39,9 @@ class CannotFetch(Exception):
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    """MODEL, listed in the help's "model" group where the options have one (option_table.py)."""
+    groups = [g for g in parser._action_groups if g.title == "model"]
+    (groups[0] if groups else parser).add_argument(
         DEST, nargs="?", default="", metavar="MODEL",
         help="a checkpoint to serve with the moshi engine: a Hugging Face repository OWNER/NAME[@REVISION] "
         "(serve downloads what the checkpoint reads and the cache lacks) or a local folder laid out like "
