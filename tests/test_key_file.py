@@ -106,7 +106,8 @@ def test_a_key_file_that_cannot_be_read_or_names_no_key_stops_the_server_at_star
     comma.write_text("a,b\n")
     for path, says in ((tmp_path / "missing", "cannot read"), (empty, "names no key"), (comma, "line 1")):
         done = subprocess.run(
-            [sys.executable, "-m", "duplexserve", "serve", "--port", str(free_port()), "--api-keys-file", str(path)],
+            [sys.executable, "-m", "duplexserve", "serve", "--port", str(free_port()),
+             "--api-keys-file", str(path)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode == 2, done.stderr

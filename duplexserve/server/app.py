@@ -31,13 +31,13 @@ from duplexserve.config import ServerConfig, trusted_proxies
 from duplexserve.engine_bridge.engine import Engine
 from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server import auth, gc_pauses, personas
-from duplexserve.server.key_file import KeyFile
 from duplexserve.server.calls import WebRTCCalls, WebRTCCollector
 from duplexserve.server.core.adapter import ProtocolAdapter
 from duplexserve.server.core.client_address import ForwardedFor
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.session import Limits
 from duplexserve.server.http_errors import http_error
+from duplexserve.server.key_file import KeyFile
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.overload import OverloadCollector, OverloadManager, Thresholds
 from duplexserve.server.protocols.moshi_chat import MoshiConnection

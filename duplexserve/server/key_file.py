@@ -44,7 +44,8 @@ def read_keys(path: str) -> tuple[str, ...]:
         if not key or key.startswith("#"):
             continue
         if "," in key or any(c.isspace() for c in key):
-            raise ValueError(f"--api-keys-file {path}: line {number} holds a comma or a space (one key a line)")
+            msg = f"--api-keys-file {path}: line {number} holds a comma or a space (one key a line)"
+            raise ValueError(msg)
         keys.append(key)
     if not keys:
         raise ValueError(f"--api-keys-file {path}: names no key (one key a line; # starts a comment)")

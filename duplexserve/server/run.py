@@ -287,6 +287,6 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     if config.log_level != "debug":
         logging.getLogger("uvicorn.error").addFilter(per_connection_line)
     log_redaction.install()
-    if not config.api_keys and not config.api_keys_file and config.host not in ("127.0.0.1", "localhost", "::1"):
+    if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --api-keys: anyone who reaches %s:%d can open sessions", config.host, config.port)
     DrainingServer(server_config, app, config.drain_grace_s).run(sockets=[sock])
