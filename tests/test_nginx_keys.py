@@ -16,6 +16,7 @@ import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.skipif(not Path(NGINX).exists(), reason=f"nginx not ins
 
 KEY = "sk-nginx-" + secrets.token_hex(12)
 RESUME = "duplexserve-1." + secrets.token_hex(12)
+ODD_KEY = "sk odd/key+" + secrets.token_hex(4)
 MAIN_CONF = test_nginx.SHIPPED_CONF.with_name("nginx.conf")
 
 
@@ -67,8 +69,8 @@ def shipped_logging(monkeypatch) -> None:
 
 def test_no_key_or_resume_token_in_nginx_logs_even_when_a_replica_fails(server_factory, tmp_path,
                                                                         monkeypatch) -> None:
-    server = server_factory("--api-keys", KEY, "--max-sessions", "8", "--max-sessions-per-client", "0",
-                            *REPLICA)
+    server = server_factory("--api-keys", f"{KEY},{ODD_KEY}", "--max-sessions", "8",
+                            "--max-sessions-per-client", "0", *REPLICA)
     cert, key = self_signed(tmp_path)
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))
     shipped_logging(monkeypatch)
@@ -81,6 +83,9 @@ def test_no_key_or_resume_token_in_nginx_logs_even_when_a_replica_fails(server_f
                 live = await Live.open(url) if not headers else await open_with(url, headers)
                 await live.exchange(2)
                 assert (await live.finish())["reason"] == "completed"
+        # A key that is not URL-safe stays in the URL (nginx cannot decode it), and still works.
+        live = await Live.open(f"{wss}?token={quote(ODD_KEY, safe='')}")
+        assert (await live.finish())["reason"] == "completed"
         # A resume to the replica that is down: nginx logs the failure, the client gets 503.
         with pytest.raises(websockets.InvalidStatus) as info:
             await Live.open(f"{wss}?token={KEY}&resume={RESUME}&last_frame=3")
