@@ -75,7 +75,10 @@ def test_a_key_taken_out_of_the_file_is_refused_within_seconds_and_live_sessions
         # A file that names no key (half-written, emptied by mistake) keeps the last keys: it
         # never opens the server to anyone.
         secret_volume(tmp_path, "# nothing yet\n", 3)
-        await asyncio.sleep(3)
+        deadline = time.monotonic() + 30
+        while "names no key" not in server.log():  # the server has read it, and said so
+            assert time.monotonic() < deadline, "the emptied file was never read"
+            await asyncio.sleep(0.2)
         assert await refused(server.ws())
         assert await echo_ok(server.ws(query=f"token={B}"))
         await live.exchange(3)  # opened with A: checked at its start, it goes on to its end
