@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,6 +92,33 @@ def test_a_key_taken_out_of_the_file_is_refused_within_seconds_and_live_sessions
     log = server.log()
     assert "names no key" in log and "keeping the 1 keys" in log
     assert A not in log and B not in log
+
+
+def test_sighup_reads_the_file_again_even_when_its_stamp_did_not_change(server_factory, tmp_path) -> None:
+    """An edit in place that keeps the size and the modification time escapes the poll;
+    SIGHUP re-reads the file whatever its stamp."""
+    assert len(A) == len(B)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{A}\n")
+    stamp = keys.stat()
+    server = server_factory("--api-keys-file", str(keys))
+
+    async def main() -> None:
+        assert await echo_ok(server.ws(query=f"token={A}"))
+        with open(keys, "r+") as f:  # the same inode, size and mtime: the poll sees no change
+            f.write(B)
+        os.utime(keys, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        await asyncio.sleep(3)
+        assert await echo_ok(server.ws(query=f"token={A}"))
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while not await refused(server.ws(query=f"token={A}")):
+            assert time.monotonic() < deadline, "A still let in 30 s after SIGHUP"
+            await asyncio.sleep(0.2)
+        assert await echo_ok(server.ws(query=f"token={B}"))
+
+    asyncio.run(main())
+    assert server.proc.poll() is None  # SIGHUP no longer ends the server
 
 
 def test_v1_models_needs_the_key_when_keys_are_set(server_factory) -> None:

@@ -7,7 +7,8 @@ mount) can be rotated in place: the server stats it every :data:`POLL_S` from th
 follows symlinks, so Kubernetes' atomic swap of a Secret volume (the ``..data`` symlink
 re-pointed at a new directory) reads as a new inode. The keys live in ``config.api_keys``,
 which every check reads at the moment it checks: a key taken out is refused for the next
-session or request; sessions already open were checked at their start and go on.
+session or request; sessions already open were checked at their start and go on. SIGHUP re-reads
+it at once, changed or not (``docker compose kill -s HUP``, ``kill -HUP``).
 
 A file that cannot be read or names no key stops the server at start (one line, exit 2); later
 the last good set stays and a warning says why, so a half-written file never opens the server.
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 
 from duplexserve.config import ServerConfig
 
@@ -93,15 +95,27 @@ class KeyFile:
             log.info("--api-keys-file %s: %d keys now (were %d)", self.path, len(keys), self.count)
             self._apply(keys)
 
+    def reload(self) -> None:
+        """Re-read the file now, whatever its stamp says (SIGHUP)."""
+        log.info("SIGHUP: reading --api-keys-file %s again", self.path)
+        self._stamp = (-1, -1, -1, -1)
+        self.check()
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
             self.check()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        # Only the main thread's loop may take signals: an app run in a test's thread polls only.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
 
     async def stop(self) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
