@@ -67,6 +67,10 @@ def serve(args: argparse.Namespace) -> int:
     config = settle(args, "duplexserve serve")
     try:
         config.validate()
+        if config.api_keys_file:  # read again by the server, which keeps watching it
+            from duplexserve.server.key_file import read_keys
+
+            read_keys(config.api_keys_file)
     except ValueError as exc:  # one line: the top-level usage would say nothing of serve's options
         print(f"duplexserve serve: {exc}", file=sys.stderr)
         return 2

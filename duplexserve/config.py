@@ -485,6 +485,10 @@ class ServerConfig:
         "the API docs (/docs, /redoc, /openapi.json); empty: no authentication (a list that names no key, "
         "\" \" or \",\", is refused)"
     )
+    api_keys_file: str = _opt(
+        "", "a file of API keys, one a line (# comments), in place of --api-keys: re-read within seconds of "
+        "a change (a Kubernetes Secret volume, a bind mount), so keys rotate without a restart"
+    )
     allowed_origins: str = _opt(
         "", "comma-separated Origins browsers may connect from besides this server's own (a page whose "
         "Origin names the host the request was sent to: the talk page); * : any. Checked on WebSocket "
@@ -583,6 +587,8 @@ class ServerConfig:
                 f"--api-keys {self.api_keys!r} names no key: give at least one, or leave it empty for no "
                 "authentication"
             )
+        if self.api_keys and self.api_keys_file:
+            raise ValueError("--api-keys and --api-keys-file: give one of them")
         if self.max_sessions == AUTO_SESSIONS:
             if self.engine != "moshi" or not self._on_gpu():
                 where = f"with --engine {self.engine}" if self.engine != "moshi" else "on the CPU"
