@@ -7,9 +7,11 @@ import importlib
 import logging
 import sys
 
+from duplexserve.check import model_source
 from duplexserve.check.requirements import INSTALL_MOSHI, MOSHI_NEEDS
 from duplexserve.config import ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
+from duplexserve.options import settle
 from duplexserve.subcommands import DefaultsHelpFormatter, LazyParser, from_module
 
 #: The optional packages a command may import, by the pyproject.toml extra that installs
@@ -22,13 +24,13 @@ BENCH_HOLDS = ("loadgen",)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duplexserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
-    serve_p = sub.add_parser(
+    sub.add_parser(
         "serve",
         help="run the WebSocket server",
         description="Serve full-duplex speech sessions over WebSocket. Every flag also "
         "reads an environment variable, named in its help.",
+        define=serve_options,  # the variables read, and refused, only when serve is chosen
     )
-    ServerConfig.add_arguments(serve_p, notes={"moshi_preset": preset_note()})
     sub.add_parser("check", help="what this machine and these options give, without serving "
                    "(paste it into a bug report)", define=from_module("duplexserve.check.command"))
     sub.add_parser("loadgen", help="drive a server with sessions and measure it",
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
                    formatter_class=argparse.RawDescriptionHelpFormatter,
                    define=from_module("duplexserve.bench.command"))
     args = parser.parse_args(argv)
+    if args.command in ("serve", "check"):
+        try:  # MODEL: the settings it stands for
+            model_source.apply(args, sys.argv[1:] if argv is None else argv)
+        except ValueError as exc:
+            print(f"duplexserve {args.command}: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.command == "serve":
             return serve(args)
@@ -50,10 +58,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def serve_options(parser: argparse.ArgumentParser) -> None:
+    ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
+    model_source.add_model_argument(parser)
+
+
 def serve(args: argparse.Namespace) -> int:
-    config = ServerConfig.from_namespace(args)
+    config = settle(args, "duplexserve serve")
     try:
         config.validate()
+        if config.api_keys_file:  # read again by the server, which keeps watching it
+            from duplexserve.server.key_file import read_keys
+
+            read_keys(config.api_keys_file)
     except ValueError as exc:  # one line: the top-level usage would say nothing of serve's options
         print(f"duplexserve serve: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +87,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"duplexserve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc} "
               "(another server there? --port picks another)", file=sys.stderr)
         return 1
+    try:  # MODEL, a repository: what the cache lacks is downloaded (model_source.py)
+        model_source.fetch(args)
+    except model_source.CannotFetch as exc:
+        sock.close()
+        print(f"duplexserve serve: {exc}", file=sys.stderr)
+        return 2
     try:
         config = preflight(config)
     except CannotServe as exc:

@@ -15,7 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from duplexserve.option_table import GROUPS, group_of
+
 ENV_PREFIX = "DUPLEXSERVE_"
+#: The namespace attribute holding the fields whose flag was given (a set; absent: none).
+GIVEN = "_given_on_command_line"
 #: ``--max-sessions auto``: resolved before serving to the slots that fit by the moshi
 #: engine's memory plan on the GPU (duplexserve/check/plan.py); no part below sees it.
 AUTO_SESSIONS = 0
@@ -56,12 +60,41 @@ class _Names(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         setattr(namespace, self.dest, tuple(name for names in values for name in names))
+        _Noted._note(namespace, self.dest)
+
+
+def tcp_port(text: str) -> int:
+    """``--port``: 0..65535 (0: one the system picks, as the tests use it); uvicorn's
+    OverflowError otherwise, after the model's load."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise SettingError(f"{text!r} is no TCP port: a whole number from 1 to 65535 (0: any free one)")
+    return port
+
+
+def torch_device(text: str) -> str:
+    """``--device``: what the moshi engine hands torch (auto, cpu, cuda, cuda:N), refused here
+    rather than by torch.device in the engine thread, after the preflight."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise SettingError(f"{text!r} is no device: auto, cpu, cuda or cuda:N (N: the GPU's index)")
+    return text
+
+
+def folder(text: str) -> str:
+    """A folder that must exist (empty: none), refused before any model loads."""
+    if text and not os.path.isdir(text):
+        what = "is not a folder" if os.path.exists(text) else "does not exist"
+        raise SettingError(f"{text} {what}")
+    return text
 
 
 @dataclass
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8998, "TCP port to listen on")
+    port: int = _opt(8998, "TCP port to listen on (0: one the system picks)", parse=tcp_port)
     ws: str = _opt(
         "fast",
         "WebSocket implementation: fast (uvicorn's sans-I/O protocol with our callback fast path,"
@@ -107,7 +140,7 @@ class ServerConfig:
         1.0, "moshi engine: classifier-free guidance of a conditioned LM (Hibiki), the negative being "
         "\"very_bad\" as in moshi; 1: off. Doubles each session's KV cache"
     )
-    device: str = _opt("auto", "moshi engine: torch device (auto, cpu, cuda)")
+    device: str = _opt("auto", "moshi engine: torch device (auto, cpu, cuda, cuda:N)", parse=torch_device)
     moshi_tokenizer: str = _opt(
         "", "moshi engine: SentencePiece model of the text tokens (prompts in, text out); empty: the "
         "checkpoint's own, or a tiny preset's toy one (docs/moshi-engine.md)",
@@ -137,6 +170,7 @@ class ServerConfig:
         "",
         "moshi engine, PersonaPlex: the folder of voice prompts sessions may name (NVIDIA's voices.tgz"
         " .pt files, or .wav), each loaded once at start",
+        parse=folder,
     )
     max_prompt_bytes: int = _opt(
         16 << 10, "the longest text prompt (PersonaPlex's text_prompt, Realtime instructions), UTF-8 "
@@ -451,6 +485,10 @@ class ServerConfig:
         "the API docs (/docs, /redoc, /openapi.json); empty: no authentication (a list that names no key, "
         "\" \" or \",\", is refused)"
     )
+    api_keys_file: str = _opt(
+        "", "a file of API keys, one a line (# comments), in place of --api-keys: re-read within seconds of "
+        "a change (a Kubernetes Secret volume, a bind mount), so keys rotate without a restart"
+    )
     allowed_origins: str = _opt(
         "", "comma-separated Origins browsers may connect from besides this server's own (a page whose "
         "Origin names the host the request was sent to: the talk page); * : any. Checked on WebSocket "
@@ -493,7 +531,9 @@ class ServerConfig:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, notes: Mapping[str, str] | None = None) -> None:
         """Add one flag per field; defaults come from the environment when set there. ``notes``
-        adds to a field's help what only a part this module may not import knows (the presets)."""
+        adds to a field's help what only a part this module may not import knows (the presets).
+        The flags are grouped as option_table.py says; those given are noted (:data:`GIVEN`)."""
+        groups = {g.title: parser.add_argument_group(g.title, g.description) for g in GROUPS}
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             env = ENV_PREFIX + f.name.upper()
@@ -501,15 +541,22 @@ class ServerConfig:
                 default = _from_env(env, f.default, f.metadata["parse"])
             except ValueError as exc:
                 parser.exit(2, f"{parser.prog}: error: {env}={os.environ[env]!r}: {exc}\n")
+            if f.metadata["choices"] and default not in f.metadata["choices"]:  # argparse checks flags only
+                parser.exit(2, f"{parser.prog}: error: {env}={default!r}: not one of "
+                               f"{', '.join(f.metadata['choices'])}\n")
+            group = group_of(f.name)
+            if group.title not in groups:
+                groups[group.title] = parser.add_argument_group(group.title, group.description)
             note = f"; {notes[f.name]}" if notes and f.name in notes else ""
             help_text = f"{f.metadata['help']}{note} [env {env}; default %(default)s]"
             if isinstance(f.default, bool) or f.type == "bool | None":
-                parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                groups[group.title].add_argument(
+                    flag, action=_Noted.switch, default=default, help=help_text
                 )
             else:
                 many = {"nargs": "+", "action": _Names} if isinstance(f.default, tuple) else {}
-                parser.add_argument(
+                many.setdefault("action", _Noted.store)
+                groups[group.title].add_argument(
                     flag,
                     type=f.metadata["parse"] or type(f.default),
                     default=default,
@@ -540,6 +587,8 @@ class ServerConfig:
                 f"--api-keys {self.api_keys!r} names no key: give at least one, or leave it empty for no "
                 "authentication"
             )
+        if self.api_keys and self.api_keys_file:
+            raise ValueError("--api-keys and --api-keys-file: give one of them")
         if self.max_sessions == AUTO_SESSIONS:
             if self.engine != "moshi" or not self._on_gpu():
                 where = f"with --engine {self.engine}" if self.engine != "moshi" else "on the CPU"
@@ -604,6 +653,25 @@ class ServerConfig:
             raise ValueError("webrtc_jitter_frames must be 1..50 (20 ms packets)")
 
 
+class _Noted:
+    """argparse's actions, each noting its field in the namespace's :data:`GIVEN` when its flag
+    is on the command line: a default, even one equal to it, is not chosen (options.py)."""
+
+    @staticmethod
+    def _note(namespace: argparse.Namespace, dest: str) -> None:
+        vars(namespace).setdefault(GIVEN, set()).add(dest)
+
+    class store(argparse._StoreAction):
+        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+            super().__call__(parser, namespace, values, option)
+            _Noted._note(namespace, self.dest)
+
+    class switch(argparse.BooleanOptionalAction):
+        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+            super().__call__(parser, namespace, values, option)
+            _Noted._note(namespace, self.dest)
+
+
 def trusted_proxies(spec: str) -> list[str]:
     """``--forwarded-allow-ips`` as uvicorn takes it; a ValueError for an entry that is not an
     address, a network or ``*`` (uvicorn would take it as a name no peer ever has, silently)."""
@@ -626,6 +694,8 @@ def _from_env(name: str, default: Any, parse: Callable[[str], Any] | None = None
         return default
     if parse is not None:
         return parse(raw)
-    if isinstance(default, bool) or (default is None and raw.strip().lower() in _BOOL_WORDS):
+    if isinstance(default, bool) or default is None:  # None without a parse: a bool | None switch
+        if raw.strip().lower() not in _BOOL_WORDS:  # read as off, it would be ignored without a word
+            raise ValueError(f"a switch: one of {', '.join(_BOOL_WORDS)}")
         return raw.strip().lower() in ("1", "true", "yes", "on")
     return type(default)(raw)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 
 class LazyParser(argparse.ArgumentParser):
@@ -38,7 +38,27 @@ class LazyParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         self._defined()
+        if self.usage is None:  # every option spelt out is 100 lines for serve: the help lists them
+            self.usage = self.short_usage()
         return super().format_help()
+
+    def error(self, message: str) -> NoReturn:
+        """The error first, in one line; a short usage after it only for an argument not known or
+        missing (serve's full usage runs to 100 lines, above the line that matters)."""
+        lines = f"{self.prog}: error: {message}\n"
+        if not message.startswith("argument "):  # "argument --port: ...": a value, said in full
+            lines += f"usage: {self.short_usage()}\n{self.prog} --help lists every option\n"
+        self.exit(2, lines)
+
+    def short_usage(self) -> str:
+        """``PROG [POSITIONAL...] [options]``: the usage without the options spelt out."""
+        parts = [self.prog]
+        for action in self._get_positional_actions():
+            name = action.metavar or action.dest
+            if action.choices is not None and action.metavar is None:
+                name = action.dest if action.dest != argparse.SUPPRESS else "COMMAND"
+            parts.append(f"[{name}]" if action.nargs in ("?", "*") else str(name))
+        return " ".join([*parts, "[options]"])
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):

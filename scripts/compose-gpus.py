@@ -10,7 +10,7 @@ into docker/gpus/ (git-ignored). No file of the repository is edited. From the r
 
 Replica i is `duplexserve` (i = 0) or `duplexserve-i` on GPU number i of the list. With --cpu
 the replicas are compose.cpu.yaml's (the CPU image, no GPU), each published on the host at
-DUPLEXSERVE_PUBLISH_PORT_i (default 8998 + i); add compose.cpu.yaml before the override.
+DUPLEXSERVE_PUBLISH_PORT_i (default 127.0.0.1:8998 + i); add compose.cpu.yaml before the override.
 One GPU needs none of this: `DUPLEXSERVE_GPU=3 docker compose -f docker/compose.yaml up -d`.
 """
 
@@ -64,7 +64,7 @@ def replica(index: int, gpu: str, cpu: bool) -> dict[str, Any]:
     if cpu:
         cpu_services = yaml.safe_load((DOCKER / "compose.cpu.yaml").read_text())["services"]
         service = merged(service, cpu_services["duplexserve-1"])
-        service["ports"] = [f"${{DUPLEXSERVE_PUBLISH_PORT_{index}:-{8998 + index}}}:8998"]
+        service["ports"] = [f"${{DUPLEXSERVE_PUBLISH_PORT_{index}:-127.0.0.1:{8998 + index}}}:8998"]
     service["environment"]["NVIDIA_VISIBLE_DEVICES"] = gpu
     service["environment"]["DUPLEXSERVE_REPLICA_ID"] = replica_name(index)
     return service

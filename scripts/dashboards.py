@@ -82,6 +82,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         (f"histogram_quantile(0.99, sum by (le) "
          f"(rate(duplexserve_loop_pickup_seconds_bucket{{{NS}}}[$__rate_interval])))", "p99"),
     ], "An engine step's results waiting for the event loop: a busy loop shows here first."),
+    ("Overload and shedding", "short", [
+        (f"sum by (pod) (rate(duplexserve_overload_seconds_total{{{NS}}}[$__rate_interval]))",
+         "{{pod}} overloaded (s/s)"),
+        (f"sum by (work) (rate(duplexserve_overload_shed_total{{{NS}}}[$__rate_interval]))",
+         "shed: {{work}}"),
+        (f"sum by (work) (rate(duplexserve_fair_share_cut_total{{{NS}}}[$__rate_interval]))",
+         "over fair share: {{work}}"),
+    ], "Time overloaded a second; work shed (503, 1013) and work of clients over their fair share "
+       "of the loop cut (429, 1013, connections closed), a second (docs/reliability.md)."),
 ]
 
 

@@ -14,12 +14,57 @@
 # the CUDA build (2.13.0: CUDA 13.0, its libraries as nvidia-* and cuda-toolkit wheels).
 # DUPLEXSERVE_TORCH_CUDA=1 fails unless the torch installed is a CUDA build (the GPU
 # image sets it, so that a CPU-only mirror or a CPU torch already present cannot pass).
+#
+# On a machine without an NVIDIA GPU (no nvidia-smi, no /dev/nvidia*) the CUDA build is
+# gigabytes of libraries nothing uses, so torch comes from PyTorch's CPU index
+# (DUPLEXSERVE_TORCH_CPU_INDEX, default below) when it answers; when it does not, or its install
+# fails, pip takes whatever its own configuration finds (an index, a mirror, a local wheel by
+# find-links: this project's CI machine keeps the CPU build as one). DUPLEXSERVE_TORCH_CPU=1
+# takes the CPU index even beside a GPU, =0 never (PyPI's default build); DUPLEXSERVE_TORCH_CUDA=1
+# implies =0 (the GPU image is built on a machine that may have no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 TORCH_VERSION="${DUPLEXSERVE_TORCH_VERSION:-2.13.0}"
+CPU_INDEX="${DUPLEXSERVE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+TORCH_CPU="${DUPLEXSERVE_TORCH_CPU:-auto}"
+if [ "${DUPLEXSERVE_TORCH_CUDA:-0}" = 1 ]; then
+  if [ "$TORCH_CPU" = 1 ]; then
+    echo "install-moshi.sh: DUPLEXSERVE_TORCH_CPU=1 and DUPLEXSERVE_TORCH_CUDA=1 ask for two builds" >&2
+    exit 2
+  fi
+  TORCH_CPU=0
+fi
+if [ "$TORCH_CPU" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 || compgen -G "/dev/nvidia*" >/dev/null; then
+    TORCH_CPU=0
+  else
+    TORCH_CPU=1
+  fi
+fi
+if [ "$TORCH_CPU" != 0 ] && [ "$TORCH_CPU" != 1 ]; then
+  echo "install-moshi.sh: DUPLEXSERVE_TORCH_CPU=$TORCH_CPU: 1 (the CPU build), 0 (PyPI's) or unset (by the GPU)" >&2
+  exit 2
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "torch==${TORCH_VERSION}"
+  installed=0
+  if [ "$TORCH_CPU" = 1 ]; then
+    if "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=10)" \
+        "$CPU_INDEX" 2>/dev/null; then
+      echo "install-moshi.sh: no NVIDIA GPU (or DUPLEXSERVE_TORCH_CPU=1): torch ${TORCH_VERSION}, CPU build, from $CPU_INDEX"
+      if "$PY" -m pip install -q --index-url "$CPU_INDEX" "torch==${TORCH_VERSION}"; then
+        installed=1
+      else
+        echo "install-moshi.sh: the CPU index failed; torch from pip's own configuration instead" >&2
+      fi
+    else
+      echo "install-moshi.sh: no NVIDIA GPU, but $CPU_INDEX does not answer: torch from pip's own" \
+        "configuration (on Linux x86_64 PyPI has only the CUDA build; DUPLEXSERVE_TORCH_CPU_INDEX names a mirror)" >&2
+    fi
+  fi
+  if [ "$installed" = 0 ]; then
+    "$PY" -m pip install -q "torch==${TORCH_VERSION}"
+  fi
 fi
 # What moshi imports first, moshi itself last: pip checks every installed package's declared
 # requirements after an install that resolves dependencies, and with moshi already there it

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -22,7 +24,19 @@ from duplexserve.check.requirements import Problem
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
 from duplexserve.engine_bridge.moshi.engine import moshi_engine_from_config
 from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, RESERVE, kv_bytes_per_slot
-from tests.duplexserve_cli import hiding, run
+from tests.duplexserve_cli import hiding
+from tests.duplexserve_cli import run as run_duplexserve
+
+
+def free_port() -> int:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
+def run(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``duplexserve *args`` on a free port: check binds it, and 8998 may be another server's."""
+    return run_duplexserve(*args, env={"DUPLEXSERVE_PORT": str(free_port()), **(env or {})}, **kwargs)
 
 
 def fields(output: str) -> dict[str, str]:
@@ -219,8 +233,41 @@ def test_options_that_refuse_sessions_the_model_takes_are_reported(tmp_path):
     done = run(*base, "--moshi-tokenizer", str(tmp_path / "spm.model"), "--voice-prompt-dir",
                str(tmp_path / "voices"))
     assert "refused" not in done.stdout, done.stdout
-    done = run(*base, "--voice-prompt-dir", str(tmp_path / "none"))
-    assert done.returncode == 1 and f"--voice-prompt-dir {tmp_path / 'none'} is not a folder" in done.stdout
+    done = run(*base, "--voice-prompt-dir", str(tmp_path / "none"))  # refused as serve refuses it
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"duplexserve check: error: argument --voice-prompt-dir: {tmp_path / 'none'} "
+                           "does not exist\n")
+    done = run(*base, "--voice-prompt-dir", str(tmp_path / "spm.model"))
+    assert done.returncode == 2 and f"{tmp_path / 'spm.model'} is not a folder" in done.stderr
     done = run("check", "--engine", "moshi", "--moshi-preset", "moshi-7b", "--device", "cpu",
                "--max-sessions", "2")  # no prompts to refuse
     assert "no tokenizer: sessions get no text (text.delta);" in done.stdout and "voice" not in done.stdout
+
+
+def test_a_busy_port_is_a_reason_serve_would_not_start():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run("check", "--port", str(port))
+    assert done.returncode == 1
+    errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
+    assert errors == [f"  error       cannot listen on 127.0.0.1:{port}: Address already in use; another "
+                      "server there? --port picks another"], done.stdout
+    assert fields(done.stdout)["result"] == "serve would not start"
+    done = run("check", "--host", "192.0.2.1")  # TEST-NET-1: no address of this machine
+    assert done.returncode == 1 and "cannot listen on 192.0.2.1:" in done.stdout
+    assert "Cannot assign requested address" in done.stdout
+
+
+def test_a_config_or_lora_beside_a_preset_is_refused(tmp_path):
+    """A preset's random weights took neither, without a word: serve started."""
+    (tmp_path / "lora.safetensors").write_bytes(b"")
+    for flag in ("--moshi-lora", "--moshi-config"):
+        done = run("check", "--engine", "moshi", "--moshi-preset", "tiny", "--device", "cpu",
+                   "--max-sessions", "1", flag, str(tmp_path / "lora.safetensors"))
+        assert done.returncode == 1, done.stdout
+        errors = [line for line in done.stdout.splitlines() if line.startswith("  error")]
+        said = f"{flag} {tmp_path / 'lora.safetensors'} applies to a checkpoint, and none is named " \
+               "(preset tiny)"
+        assert errors and f"{said}; name the checkpoint" in errors[0], done.stdout

@@ -89,7 +89,7 @@ def test_cpu_replicas_are_the_cpu_overrides(tmp_path) -> None:
         s = services[f"duplexserve-{i}"]
         assert s["runtime"] == "runc" and s["image"] == "${DUPLEXSERVE_IMAGE:-duplexserve:cpu}"
         assert s["environment"]["DUPLEXSERVE_ENGINE"] == "${DUPLEXSERVE_ENGINE:-synthetic}"
-        assert s["ports"] == [f"${{DUPLEXSERVE_PUBLISH_PORT_{i}:-{8998 + i}}}:8998"]
+        assert s["ports"] == [f"${{DUPLEXSERVE_PUBLISH_PORT_{i}:-127.0.0.1:{8998 + i}}}:8998"]
 
 
 @pytest.mark.parametrize("cpu", [False, True])

@@ -44,7 +44,7 @@ from tests.docker_images import (
     sh,
     wait_for,
 )
-from tests.test_kubernetes import KUBE, RESERVE_S, container_env, one, render
+from tests.test_kubernetes import KUBE, RESERVE_S, SECRETS, container_env, one, render
 from tests.test_nginx import FAIL_TIMEOUT_WAIT_S, Live, refused_status
 
 # The first test also waits for the builds (2 min idle, 6 under load): a generous limit.
@@ -118,6 +118,11 @@ def run_args(pod: dict[str, Any], container: dict[str, Any], image: str, tmp: Pa
         folder.mkdir()
         if "emptyDir" in volume:  # on the node's disk, world-writable as the kubelet makes it
             folder.chmod(0o777)
+        elif "secret" in volume:  # the Secret's keys as files (readable by all here: no chown)
+            for key, text in SECRETS[volume["secret"]["secretName"]].items():
+                (folder / key).write_text(text)
+                (folder / key).chmod(0o444)
+            folder.chmod(0o755)
         else:  # the claim of the Hugging Face cache: empty here, the synthetic engine reads none
             assert volume["persistentVolumeClaim"]["readOnly"] and mount["readOnly"]
         args += ["--volume", f"{folder}:{path}{':ro' if mount.get('readOnly') else ''}"]
@@ -227,7 +232,8 @@ def test_pod_spec_runs_in_the_cpu_image_probes_and_drains_as_the_kubelet_would(c
         assert writable == {"/": False, "/opt": False, **mounts}, status
 
         async def rollout() -> float:
-            url = f"ws://{http}/v1/duplex?token={container_env(container)['DUPLEXSERVE_API_KEYS']}"
+            key = SECRETS["duplexserve-api-keys"]["api-keys"].splitlines()[-1]
+            url = f"ws://{http}/v1/duplex?token={key}"
             live = await Live.open(url)
             await live.exchange(3)
             # Full (2 slots): readiness fails, out of the Service's endpoints; alive all the same.

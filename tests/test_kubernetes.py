@@ -70,7 +70,20 @@ def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 #: The Secrets the pods read, as a test cluster would hold them (docs/deploy-kubernetes.md makes them).
-SECRETS = {"duplexserve-api-keys": {"api-keys": "k8s-test-key"}}
+SECRETS = {"duplexserve-api-keys": {"api-keys": "# the fleet's keys\nk8s-test-key\n"}}
+
+
+def secret_files(pod: dict[str, Any]) -> dict[str, str]:
+    """The files the kubelet mounts from Secrets into the pod's first container: path -> text."""
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    files = {}
+    for mount in pod["containers"][0]["volumeMounts"]:
+        secret = secrets.get(mount["name"])
+        if secret is not None:
+            assert "subPath" not in mount, "a subPath mount of a Secret is never updated"
+            for key, text in SECRETS[secret["secretName"]].items():
+                files[f"{mount['mountPath']}/{key}"] = text
+    return files
 
 
 def container_env(c: dict[str, Any]) -> dict[str, str]:
@@ -116,7 +129,8 @@ def test_every_object_validates(rendered) -> None:
 def test_the_shared_gateway_validates() -> None:
     objects = render(KUBE / "gateway")
     kinds = {o["kind"] for o in objects}
-    assert kinds == {"Namespace", "Gateway", "HTTPRoute", "ClientTrafficPolicy", "ConfigMap", "PriorityClass"}
+    assert kinds == {"Namespace", "Gateway", "HTTPRoute", "ClientTrafficPolicy", "ConfigMap", "EnvoyProxy",
+                     "PriorityClass"}
     validate_all(objects)
 
 
@@ -203,7 +217,9 @@ def test_model_per_overlay(rendered) -> None:
             "hibiki-zero-3b": "kyutai/hibiki-zero-3b-pytorch-bf16@23b3e0b41782026c81dd5283a034107b01f9e513",
             "personaplex-7b": "nvidia/personaplex-7b-v1"}[name]
     assert e["DUPLEXSERVE_MOSHI_HF_REPO"] == repo and e["DUPLEXSERVE_MOSHI_WEIGHTS"] == ""
-    assert e["DUPLEXSERVE_MODEL"] == name and e["DUPLEXSERVE_API_KEYS"] == "k8s-test-key"
+    assert e["DUPLEXSERVE_MODEL"] == name and "DUPLEXSERVE_API_KEYS" not in e  # no key in the env
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert "k8s-test-key" in secret_files(pod)[e["DUPLEXSERVE_API_KEYS_FILE"]].splitlines()
     assert e["DUPLEXSERVE_SERVED_MODEL_NAME"] == name  # any other ?model= refused, not served
     assert (e.get("DUPLEXSERVE_MOSHI_CFG_COEF") == "3") == (name == "hibiki-2b")
     assert (e.get("DUPLEXSERVE_MOSHI_KV_DTYPE") == "int8") == (name == "hibiki-zero-3b")

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVER_PYTHON, free_port
-from tests.test_kubernetes import KUBE, ROOT, container_env, one, render
+from tests.test_kubernetes import KUBE, ROOT, SECRETS, container_env, one, render, secret_files
 from tests.test_nginx import Live, refused_status
 
 #: The spec's engine settings, replaced: no GPU and no checkpoint here.
@@ -38,12 +38,19 @@ def probe(port: int, spec: dict[str, Any]) -> bool:
     return 200 <= r.status_code < 400
 
 
-def start_container(container: dict[str, Any], tmp: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
-    """Run the container's command + args with its env, as a process on this machine."""
+def start_container(pod: dict[str, Any], tmp: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """Run the pod's container's command + args with its env, as a process on this machine
+    (the Secrets it mounts written into temporary folders)."""
+    container = pod["containers"][0]
     port = free_port()
-    mounts = {m["mountPath"]: tmp / m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    secret_mounts = {path.rpartition("/")[0] for path in secret_files(pod)}
+    mounts = {m["mountPath"]: tmp / m["name"] for m in container["volumeMounts"]
+              if not m.get("readOnly") or m["mountPath"] in secret_mounts}
     for folder in mounts.values():
         folder.mkdir()
+    for path, text in secret_files(pod).items():
+        mount, _, name = path.rpartition("/")
+        (mounts[mount] / name).write_text(text)
     env = {}
     for name, value in container_env(container).items():
         for path, folder in mounts.items():
@@ -71,7 +78,7 @@ def test_pod_starts_probes_and_drains_as_its_spec_says(tmp_path) -> None:
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     container = pod["containers"][0]
     grace = pod["terminationGracePeriodSeconds"]
-    proc, port, log = start_container(container, tmp_path)
+    proc, port, log = start_container(pod, tmp_path)
     try:
         # Startup probe: at its period until it succeeds, within periodSeconds x failureThreshold.
         startup = container["startupProbe"]
@@ -85,7 +92,9 @@ def test_pod_starts_probes_and_drains_as_its_spec_says(tmp_path) -> None:
         assert probe(port, container["readinessProbe"]) and probe(port, container["livenessProbe"])
 
         async def rollout() -> None:
-            url = f"ws://127.0.0.1:{port}/v1/duplex?token={container_env(container)['DUPLEXSERVE_API_KEYS']}"
+            assert "DUPLEXSERVE_API_KEYS" not in container_env(container)  # from the mounted Secret
+            key = SECRETS["duplexserve-api-keys"]["api-keys"].splitlines()[-1]
+            url = f"ws://127.0.0.1:{port}/v1/duplex?token={key}"
             live = await Live.open(url)
             await live.exchange(3)
             # Full (2 slots): not ready, so out of the Service's endpoints, yet alive.

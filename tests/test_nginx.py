@@ -44,11 +44,13 @@ pytestmark = pytest.mark.skipif(
 
 @dataclass(frozen=True)
 class TLS:
-    """docker/nginx/tls.conf's listener on loopback: its port and certificate files."""
+    """docker/nginx/tls.conf's listeners on loopback: its port, certificate files and the
+    plain-HTTP port that redirects to it (a free one if 0)."""
 
     port: int
     cert: Path
     key: Path
+    http_port: int = 0
 
 
 def nginx_conf(tmp: Path, listen: int, upstreams: list[int], tls: TLS | None = None) -> Path:
@@ -70,7 +72,8 @@ def nginx_conf(tmp: Path, listen: int, upstreams: list[int], tls: TLS | None = N
         for shipped, here in (("listen 8443 ssl;", f"listen 127.0.0.1:{tls.port} ssl;"),
                               ("/etc/nginx/tls/tls.crt", str(tls.cert)),
                               ("/etc/nginx/tls/tls.key", str(tls.key)),
-                              ("http://127.0.0.1:8080;", f"http://127.0.0.1:{listen};")):
+                              ("http://127.0.0.1:8080;", f"http://127.0.0.1:{listen};"),
+                              ("listen 8081;", f"listen 127.0.0.1:{tls.http_port or free_port()};")):
             assert front.count(shipped) == 1, f"{TLS_CONF}: no single {shipped!r}"
             front = front.replace(shipped, here)
         (tmp / "tls.conf").write_text(front)

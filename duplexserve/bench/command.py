@@ -81,6 +81,9 @@ BENCHMARKS = {
         "handoffs", "the engine process's step with the event loop idle and saturated: wall time, GIL waits"
     ),
     "http-flood": Benchmark("http_flood", "keep-alive connections pipelining GET /health beside a run"),
+    "under-attack": Benchmark(
+        "under_attack", "honest sessions' round trip and newcomers under HTTP, parse and slowloris floods"
+    ),
 }
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import duplexserve
 from duplexserve.check.machine import GIB, Torch, driver_gpus, host_available, probe_torch
 from duplexserve.check.model import Model, ModelError, checkpoint_named, resolve_model
+from duplexserve.check.model_source import add_model_argument
 from duplexserve.check.plan import DTYPE_BYTES, LOAD_SLACK, auto_slots, kv_per_slot, lm_dtype, plan
 from duplexserve.check.requirements import (
     INSTALL_MOSHI,
@@ -31,20 +32,24 @@ from duplexserve.check.sessions import session_problems
 from duplexserve.codecs.libopus import LIBOPUS
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
+from duplexserve.options import settle
+from duplexserve.server.listen import listen_socket
 
 Line = Callable[[str, str], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser, notes={"moshi_preset": preset_note()})
+    add_model_argument(parser)  # as serve's, never downloading
 
 
 def run(args: argparse.Namespace) -> int:
     def line(label: str, text: str) -> None:
         print(f"{label:<13} {text}")
 
+    config = settle(args, "duplexserve check")  # before the report: its error is one line on stderr
     print("duplexserve check: this machine and these options (paste all of it into a bug report)")
-    found_problems = report(ServerConfig.from_namespace(args), line)
+    found_problems = report(config, line)
     fatal = [p for p in found_problems if p.fatal]
     line("problems", "none" if not found_problems else str(len(found_problems)))
     for problem in found_problems:
@@ -60,6 +65,7 @@ def report(config: ServerConfig, line: Line) -> list[Problem]:
         config.validate()
     except ValueError as exc:
         found_problems.insert(0, Problem(str(exc), "duplexserve serve --help describes every setting"))
+    found_problems[:0] = _port(config)
     line("duplexserve", f"{duplexserve.__version__} ({Path(duplexserve.__file__).parent})")
     line("python", f"{platform.python_version()} ({sys.executable}) on {platform.platform()}")
     torch = probe_torch()
@@ -78,6 +84,16 @@ def report(config: ServerConfig, line: Line) -> list[Problem]:
         model = "the CPU stand-in" if config.vllm_omni_standin else config.vllm_omni_model or "(none)"
         line("engine", f"vllm-omni, model {model}: vLLM-Omni resolves and sizes it")
     return sorted(found_problems, key=lambda p: not p.fatal)
+
+
+def _port(config: ServerConfig) -> list[Problem]:
+    """Whether ``serve`` could bind ``--host``:``--port`` (bound as serve binds, then closed)."""
+    try:
+        listen_socket(config.host, config.port).close()
+    except OSError as exc:
+        what = f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+        return [Problem(what, "another server there? --port picks another")]
+    return []
 
 
 def _gpus(torch: Torch, line: Line) -> None:

@@ -23,7 +23,8 @@ from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset, str
 
 WEIGHTS_FIX = "point --moshi-weights at a folder laid out like the checkpoint's Hugging Face repository"
 SETTINGS_FIX = "docs/moshi-engine.md (Weights) says what a checkpoint needs and which settings go together"
-FETCH = "fetch it into the cache once (the server never downloads): huggingface-cli download"
+FETCH = ("fetch it into the cache once (--moshi-hf-repo and check never download; "
+         "`duplexserve serve OWNER/NAME` does): huggingface-cli download")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,13 @@ def resolve_model(config: ServerConfig) -> Model:
         described, mimi, model_type = f"checkpoint {name}", info.mimi_config, info.model_type
         tokenizer = bool(info.tokenizer)
     else:
+        for flag, path in (("--moshi-config", config.moshi_config), ("--moshi-lora", config.moshi_lora)):
+            if path:  # a preset's random weights would take neither, without a word
+                what = f"{flag} {path} applies to a checkpoint, and none is named (preset " \
+                       f"{config.moshi_preset})"
+                fix = f"name the checkpoint (--moshi-weights DIR, --moshi-hf-repo OWNER/NAME), or leave " \
+                      f"{flag} out"
+                raise ModelError(Problem(what, fix))
         tokenizer = bool(config.moshi_tokenizer)
         if tokenizer and not Path(config.moshi_tokenizer).is_file():
             fix = "point it at a SentencePiece model, or leave it out (no text)"

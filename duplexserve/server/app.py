@@ -2,8 +2,9 @@
 
 WebSocket scopes go straight to the protocol adapter, without a framework layer per
 message; everything else (health, readiness, metrics) is an ordinary FastAPI route.
-With ``--api-keys``, the API docs (and ``/metrics`` with ``--metrics-auth``) need a key
-like the API itself; ``/``, ``/static``, ``/health`` and ``/ready`` stay open.
+With ``--api-keys`` (or ``--api-keys-file``), ``/v1/models`` and the API docs (and ``/metrics``
+with ``--metrics-auth``) need a key like the API itself; ``/``, ``/static``, ``/health`` and
+``/ready`` stay open.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from duplexserve.engine_bridge.factory import build_engine
 from duplexserve.server import auth, gc_pauses, personas
 from duplexserve.server.calls import WebRTCCalls, WebRTCCollector
 from duplexserve.server.core.adapter import ProtocolAdapter
-from duplexserve.server.core.client_address import ForwardedFor
+from duplexserve.server.core.client_address import ForwardedFor, client_of
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.session import Limits
 from duplexserve.server.http_errors import http_error
+from duplexserve.server.key_file import KeyFile
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.overload import OverloadCollector, OverloadManager, Thresholds
 from duplexserve.server.protocols.moshi_chat import MoshiConnection
@@ -65,8 +67,10 @@ TALK_PAGE_CSP = (
     "media-src 'self'; base-uri 'self'; form-action 'none'; frame-ancestors 'none'"
 )
 #: Routes that need a key when --api-keys names any, checked before FastAPI sees them:
-#: FastAPI's own (the schema and its pages) take no dependency.
+#: FastAPI's own (the schema and its pages) take no dependency. /v1/models too: OpenAI's
+#: clients send their key on it, and the names it lists are the deployment's own.
 DOCS_PATHS = frozenset({"/docs", "/redoc", "/openapi.json"})
+KEYED_PATHS = DOCS_PATHS | {"/v1/models"}
 
 
 class DuplexApp:
@@ -129,12 +133,15 @@ class DuplexApp:
             config.overload_lag_ms / 1000, config.overload_gil_wait_ms / 1000, config.overload_parse_share
         )
         self.overload = OverloadManager(
-            thresholds, lambda: self.orchestrator.bridge.take_gil_wait(), self.parse.take_spent
+            thresholds, lambda: self.orchestrator.bridge.take_gil_wait(), self.parse.take_spent,
+            config.client_ipv6_prefix,
         )
+        self.parse.fair = self.overload  # text messages charged to their client's fair share
         self.metrics.registry.register(OverloadCollector(self.overload))
         self.http = self._http_app()
-        self.api_keys = auth.parse_list(config.api_keys)
-        self.keyed_paths = DOCS_PATHS | ({"/metrics"} if config.metrics_auth else set())
+        #: --api-keys-file: loaded now (into config.api_keys), re-read on change while serving.
+        self.key_file = KeyFile(config) if config.api_keys_file else None
+        self.keyed_paths = KEYED_PATHS | ({"/metrics"} if config.metrics_auth else set())
         proxies = trusted_proxies(config.forwarded_allow_ips)
         #: The client and scheme that trusted proxies name, in place of uvicorn's proxy headers.
         self.forwarded = ForwardedFor(proxies) if proxies else None
@@ -146,9 +153,13 @@ class DuplexApp:
             gc_pauses.freeze()
         self.metrics.gc_pauses.start()
         self.overload.start()
+        if self.key_file is not None:
+            self.key_file.start()
         try:
             yield
         finally:
+            if self.key_file is not None:
+                await self.key_file.stop()
             self.overload.stop()
             self.metrics.gc_pauses.stop()
             await self.orchestrator.stop()
@@ -219,15 +230,16 @@ class DuplexApp:
                 return
             transport = WebSocketTransport(scope, receive, send, self.config)
             adapter = protocol(transport, self.orchestrator, self.config, self.codec_pool, self.codec_procs)
-            if not self.overload.admit_session():  # before any work for it
+            client = client_of(scope)
+            if not self.overload.admit_session(client and self.overload.key(client.host)):  # before any work
                 if (await receive())["type"] == "websocket.connect":
                     await adapter.refuse(errors.TRY_AGAIN, "server_unavailable", "overloaded: retry later")
                 return
             await transport.run(adapter)
             return
-        if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.api_keys:
+        if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.config.api_keys:
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
-            if not auth.key_ok(scope, query, self.api_keys):
+            if not auth.key_ok(scope, query, auth.parse_list(self.config.api_keys)):
                 await http_error(401, "invalid_api_key", "a valid API key is required")(scope, receive, send)
                 return
         await self.http(scope, receive, send)

@@ -13,7 +13,8 @@ before any task or routing:
   none for a proxy of ``--forwarded-allow-ips``, whose clients the proxy limits):
   ``address_requests_per_s``, across its connections;
 - to the server: the overload manager's ceiling and shedding (server/overload.py), which
-  answer 503 but for a reserve of probes.
+  answer 503 but for a reserve of probes, and 429 to a client over its fair share of the
+  ceiling or of the loop (the client: the one a trusted proxy names, core/client_address.py).
 
 Over a budget: 429 with ``Retry-After`` (or nothing, where an earlier response is still due)
 and the connection closed, counted as ``duplexserve_connections_over_budget_total{budget}``
@@ -36,6 +37,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from duplexserve.server.connection_caps import Connections, counts_per_client
 from duplexserve.server.core.budgets import over_budget
+from duplexserve.server.core.client_address import ForwardedFor
 from duplexserve.server.core.token_buckets import AddressBuckets, Bucket, address_key
 from duplexserve.server.overload import OverloadManager
 
@@ -108,6 +110,7 @@ def budgeted_http(
     per_address = limits.address_requests_per_s > 0
     per_connection = limits.requests_per_s > 0
     per_upgrade = limits.address_upgrades_per_s > 0
+    forwarded = ForwardedFor(proxies) if proxies else None
 
     class Protocol(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
@@ -194,10 +197,10 @@ def budgeted_http(
                 return "http_requests_per_s", _TOO_MANY
             if self._address is not None and not addresses.take(self._address, now):
                 return "http_address_requests_per_s", _TOO_MANY
-            if overload is not None and not overload.admit_request(
-                self.url.partition(b"?")[0], self._address
-            ):
-                return "", _UNAVAILABLE  # shed: counted by the overload manager
+            if overload is not None:
+                refused = overload.admit_request(self.url.partition(b"?")[0], overload.key(self._client()))
+                if refused is not None:  # counted by the overload manager
+                    return "", _TOO_MANY if refused == "over_share" else _UNAVAILABLE
             return None
 
         def _charge_upgrade(self) -> tuple[str, bytes | None] | None:
@@ -207,6 +210,17 @@ def budgeted_http(
             if not per_upgrade or not counts_per_client(key) or upgrades.take(key, time.monotonic()):
                 return None
             return "http_address_upgrades_per_s", _TOO_MANY
+
+        def _client(self) -> str:
+            """The client this request is charged to: the one a trusted proxy names, else the peer."""
+            peer = self.client
+            if not peer:
+                return ""
+            if forwarded is not None:
+                scope = {"type": "http", "client": peer, "headers": self.headers}
+                forwarded.rewrite(scope)
+                peer = scope["client"]
+            return peer[0]
 
         def _refuse(self, budget: str, answer: bytes | None) -> None:
             """Answer (where no earlier response is due) and close; the rest is never parsed."""

@@ -15,6 +15,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from duplexserve.engine_bridge.bridge import RESTART_CAUSES, StepOutput
+from duplexserve.server.core.audio_refusals import AudioRefusalCollector
 from duplexserve.server.core.budgets import BudgetCollector
 from duplexserve.server.core.orchestrator import Orchestrator
 from duplexserve.server.core.turnaround import BUCKETS as TURNAROUND_BUCKETS
@@ -159,6 +160,7 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         self.registry.register(ServerCollector(orchestrator))
         self.registry.register(BudgetCollector())
+        self.registry.register(AudioRefusalCollector())
         self.step_seconds = Histogram(
             "duplexserve_engine_step_seconds", "engine step duration",
             buckets=STEP_BUCKETS, registry=self.registry,

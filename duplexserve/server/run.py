@@ -28,6 +28,7 @@ from duplexserve.server.connection_caps import (
 )
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.http_budgets import HttpLimits, budgeted_http
+from duplexserve.server.listen import listen_socket  # noqa: F401  (cli.py binds through run)
 from duplexserve.server.transports.websocket.budgets import (
     DEFAULT_LIMITS,
     UNLIMITED,
@@ -260,19 +261,6 @@ PER_CONNECTION_LINES = frozenset(
 def per_connection_line(record: logging.LogRecord) -> bool:
     """False for uvicorn's per-connection lines below WARNING (a filter of ``uvicorn.error``)."""
     return record.levelno >= logging.WARNING or record.msg not in PER_CONNECTION_LINES
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (not yet listening) before the model loads, so a busy port is
-    said at once rather than after the load; an OSError where it cannot be bound."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own, for a restart
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def serve(config: ServerConfig, sock: socket.socket) -> None:

@@ -6,6 +6,9 @@ only says where each file it names lies: in a local folder (``--moshi-weights``)
 local Hugging Face cache (``--moshi-hf-repo``, never a download). It swaps the loader's
 ``hf_hub_download`` for that lookup while ``from_hf_repo`` runs, so every file the
 config names, a LoRA file or Mimi config included, is found the way moshi finds it.
+With ``download`` (``duplexserve serve OWNER/NAME``, check/model_source.py) a file missing
+from the cache is fetched into it by huggingface_hub, so exactly the files the loader
+reads are downloaded, never the whole repository; a failure is a :class:`FetchError`.
 
 PersonaPlex's config.json names only its ``model_type`` and a version: its architecture
 lives in the loader of NVIDIA's server (Moshi 7B with 16 depformer steps), so a stub
@@ -66,13 +69,24 @@ class CheckpointSource:
         return bool(self.hf_repo or self.weights)
 
 
-def resolve_checkpoint(source: CheckpointSource) -> CheckpointInfo:
+class FetchError(Exception):
+    """Downloading a file of the checkpoint failed; ``cause`` is huggingface_hub's error. Not an
+    ``EntryNotFoundError``: moshi would take a missing config.json for a legacy repository."""
+
+    def __init__(self, repo: str, filename: str, revision: str | None, cause: Exception) -> None:
+        super().__init__(f"{filename} of {repo}@{revision or 'main'}: {type(cause).__name__}: {cause}")
+        self.repo, self.filename, self.revision, self.cause = repo, filename, revision, cause
+
+
+def resolve_checkpoint(source: CheckpointSource, download: bool = False) -> CheckpointInfo:
     """moshi's ``CheckpointInfo`` of ``source``, every file found on disk; loads no weights.
 
     Raises ``FileNotFoundError`` naming the first missing file, ``ValueError`` for settings
-    that do not go together or a checkpoint the engine does not serve.
+    that do not go together or a checkpoint the engine does not serve. ``download``: a file
+    of ``source.hf_repo`` missing from the cache is downloaded into it (``FetchError``).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported
+    if not download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported
     from moshi.models import loaders
 
     if bool(source.hf_repo) == bool(source.weights):
@@ -92,7 +106,7 @@ def resolve_checkpoint(source: CheckpointSource) -> CheckpointInfo:
     lora = _local(source.lora) if source.lora else None
     tokenizer = _local(source.tokenizer) if source.tokenizer else None
     no_config = _ships_no_config(repo, folder)
-    with _files_from(_Files(folder, no_config=no_config)), warnings.catch_warnings():
+    with _files_from(_Files(folder, no_config=no_config, download=download)), warnings.catch_warnings():
         if no_config:  # moshi's warning that it takes the Moshi 7B defaults: right for these, and noise
             warnings.filterwarnings("ignore", "Repository .* contains no config.json", UserWarning)
         info = loaders.CheckpointInfo.from_hf_repo(
@@ -158,11 +172,14 @@ def _local(path: str) -> Path:
 
 
 class _Files:
-    """moshi's ``hf_hub_download(repo, filename, revision)``, answered from disk only."""
+    """moshi's ``hf_hub_download(repo, filename, revision)``, answered from disk (``download``:
+    a file missing from the cache is downloaded, the cache asked first so that a repository
+    already there is served without a request to the Hub)."""
 
-    def __init__(self, folder: Path | None, no_config: bool) -> None:
+    def __init__(self, folder: Path | None, no_config: bool, download: bool = False) -> None:
         self.folder = folder
         self.no_config = no_config  # a repository released without config.json
+        self.download = download
 
     def __call__(self, repo_id: str, filename: str, revision: str | None = None, **_: Any) -> str:
         if self.folder is not None and repo_id == str(self.folder):
@@ -177,6 +194,11 @@ class _Files:
             try:
                 return hf_hub_download(repo_id, filename, revision=revision, local_files_only=True)
             except LocalEntryNotFoundError:
+                if self.download and not (filename == "config.json" and self.no_config):
+                    try:  # huggingface_hub's own download: its progress bar, resumed, HF_TOKEN
+                        return hf_hub_download(repo_id, filename, revision=revision)
+                    except Exception as exc:  # whichever the hub's error, one kind moshi lets through
+                        raise FetchError(repo_id, filename, revision, exc) from exc
                 where = (
                     f"{filename} of {repo_id}@{revision or 'main'} is not in the local Hugging Face "
                     f"cache ({constants.HF_HUB_CACHE}); nothing is downloaded"

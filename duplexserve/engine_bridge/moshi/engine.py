@@ -351,7 +351,9 @@ class MoshiEngine(Engine):
             self.lm_gen.streaming_forever(b)
         self._share_exec_mask(b)
         modules = streaming_modules(self.mimi, self.lm_gen)
-        slots = SlotState(modules, b)  # every per-row tensor, as a fresh row holds it
+        # Every per-row tensor, as a fresh row holds it; Mimi's rings, which a client's samples
+        # reach, cleared at a reset too (slot_state.py).
+        slots = SlotState(modules, b, cleared=streaming_modules(self.mimi))
         if self.family.prompted:  # prompts.py: each row's user codes held back a step
             lm = self.lm_gen.lm_model
             user = lm.num_codebooks - 1 - lm.dep_q

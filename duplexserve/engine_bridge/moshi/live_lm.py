@@ -153,9 +153,9 @@ class LiveAttention(StreamingMultiheadAttention):
             )
         elif scales is not None:
             keys, values = dequantize(ring, scales, q.dtype)
-            x = reference_attention(q, keys, values, clock.mask)
+            x = masked_attention(q, keys, values, clock.mask)
         else:
-            x = reference_attention(q, ring[0], ring[1], clock.mask)
+            x = masked_attention(q, ring[0], ring[1], clock.mask)
         x = x.transpose(1, 2).reshape(b, 1, -1)  # b h t d -> b t (h d)
         state.offset_cpu += 1
         return self.out_projs[0](x)
@@ -185,9 +185,22 @@ class LiveAttention(StreamingMultiheadAttention):
             ring[1].scatter_(2, slots, v)
             keys, values = ring[0], ring[1]
         mask = torch.arange(clock.capacity, device=q.device).view(1, 1, 1, -1) <= positions
-        x = reference_attention(q, keys, values, mask)
+        x = masked_attention(q, keys, values, mask)
         state.offset_cpu += t
         return self.out_projs[0](x.transpose(1, 2).reshape(b, t, -1))
+
+
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``reference_attention`` over a ring whose slots no query may see (``mask`` ``[B, 1, T,
+    C]``) are zeroed first. SDPA's boolean mask still lets a masked slot into the arithmetic
+    (a NaN key's score stays NaN, a NaN value times its weight 0 is NaN), and the ring's
+    slots past a row's length hold whatever its last session left (slot_state.py). Zeroed,
+    a slot is what a fresh ring holds, so the results are a fresh row's, bit for bit."""
+    seen = mask.any(dim=2, keepdim=True).transpose(2, 3)  # [B, 1, C, 1]
+    zero = keys.new_zeros(())
+    return reference_attention(q, torch.where(seen, keys, zero), torch.where(seen, values, zero), mask)
 
 
 def ring_prefix(states: list[_MHAState], row: int, n: int) -> list[torch.Tensor]:

@@ -13,6 +13,11 @@ row, the same kernels replay in one launch. The mask is filled from pinned host 
 nothing on the way waits for the GPU. A graph writes the memory its capture saw: the
 full tensors, which the bucket states (row_buckets.py) are views of. Where no graph can be
 captured (the CPU) the kernels run one by one.
+
+Mimi's KV rings are then zeroed for the reset rows only (``SlotState.clear_rings``: one
+``index_fill_`` a ring, the rows' indices copied from pinned memory like the mask), outside
+the graph: a masked ``torch.where`` over every row of them would write the whole of them,
+gigabytes at a few hundred rows, at every open.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class RowReset:
         self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
         self._host = torch.zeros(rows, dtype=torch.bool, pin_memory=cuda)
         self._np = self._host.numpy()
+        self.index = torch.zeros(rows, dtype=torch.long, device=device)  # rows whose rings are cleared
+        self._index_host = torch.zeros(rows, dtype=torch.long, pin_memory=cuda)
+        self._index_np = self._index_host.numpy()
         self._copied = torch.cuda.Event() if cuda else None  # the host mask is free to rewrite
         self.graph = self._capture() if graph and cuda else None
 
@@ -47,12 +55,19 @@ class RowReset:
         self._np[:] = False
         self._np[: len(rows)] = rows
         self.mask.copy_(self._host, non_blocking=True)
+        reset = np.flatnonzero(rows)
+        count = len(reset) if self.slots.rings else 0
+        if count:
+            self._index_np[:count] = reset
+            self.index[:count].copy_(self._index_host[:count], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if self.graph is not None:
             self.graph.replay()
         else:
             self.slots.reset(self.mask)
+        if count:
+            self.slots.clear_rings(self.index[:count])
 
     def _capture(self) -> torch.cuda.CUDAGraph | None:
         self._np[:] = False

@@ -11,10 +11,19 @@ its per-row tensors and their batch axis; the engine adds its own per-row tensor
 off the states as ``streaming_forever`` built them, before any step: a reset row gets
 exactly that back, whatever its last session did, so a reused slot starts where a fresh
 engine's does: LMGen's token cache, Mimi's convolution buffers, every offset and every
-engine-side tensor. One kind is left, because nothing can read it until the row writes it
-again: a KV ring's keys and values (and their scales). A row reads only the ring slots below
-its own offsets (``end_offset``, the transformer's clock), which the reset sets to zero, and
-each step writes the slot it then reads; rewriting them would cost a whole ring per reset.
+engine-side tensor. One kind is left: a KV ring's keys and values (and their scales). A row
+attends only to the ring slots below its own offsets (``end_offset``, the transformer's
+clock), which the reset sets to zero, and each step writes the slot it then reads.
+
+"Attends only to" is not "reads only": moshi's attention hands the whole ring to SDPA with
+a boolean mask, and a masked slot still enters the arithmetic (a NaN key makes its score
+NaN, and a NaN value times its weight 0 is NaN), so a slot the last session filled with
+NaN or inf would reach the next one. Whatever a ring may hold from a client's audio is
+therefore cleared: the rings of the modules named ``cleared`` (Mimi's: the only rings a
+client's samples reach; the LM's take tokens) are zeroed for each reset row by
+``clear_rings``, as a fresh row holds them, a few megabytes a row. The LM's rings, a
+gigabyte a row on a 7B, are left; the kernels that read them read no slot past a row's
+length (live_attention.py; its CPU fallback zeroes them first).
 
 Under classifier-free guidance the LM's modules hold every row twice (conditioned, then
 unconditioned); their tensors' batch axis has ``2 * rows`` entries and a row's reset
@@ -84,9 +93,14 @@ class RowTensor:
 class SlotState:
     """The per-row tensors of ``modules`` (``rows`` slots) and of the engine."""
 
-    def __init__(self, modules: Iterable[StreamingModule], rows: int) -> None:
+    def __init__(
+        self, modules: Iterable[StreamingModule], rows: int, cleared: Iterable[StreamingModule] = ()
+    ) -> None:
         self.rows = rows
         self.entries: list[RowTensor] = []
+        #: Ring data of the ``cleared`` modules and its batch axis, zeroed by ``clear_rings``.
+        self.rings: list[tuple[torch.Tensor, int]] = []
+        clear = {id(m) for m in cleared}
         seen: set[int] = set()
         for module in modules:
             state = module._streaming_state
@@ -96,7 +110,10 @@ class SlotState:
             for owner, name, tensor, axis in per_row(state, rows):
                 if id(tensor) not in seen:
                     seen.add(id(tensor))
-                    self._append(tensor, axis, fresh=owner is state or name not in _RING_DATA)
+                    data = owner is not state and name in _RING_DATA
+                    self._append(tensor, axis, fresh=not data)
+                    if data and id(module) in clear:
+                        self.rings.append((tensor, axis))
 
     def add(self, tensor: torch.Tensor, axis: int = 0) -> None:
         """An engine-side per-row tensor, as it is now (every row fresh)."""
@@ -123,6 +140,13 @@ class SlotState:
             shape = [1] * rows.dim()
             shape[entry.axis + 1] = self.rows
             rows.copy_(torch.where(mask.view(shape), entry.fresh, rows))
+
+
+    def clear_rings(self, rows: torch.Tensor) -> None:
+        """Zero the cleared rings' data of the rows listed in ``rows`` (int64, on the device):
+        one kernel a ring, writing those rows only (module docstring)."""
+        for tensor, axis in self.rings:
+            tensor.index_fill_(axis, rows, 0)
 
 
 def per_row(state: Any, rows: int) -> Iterator[tuple[Any, str, torch.Tensor, int]]:

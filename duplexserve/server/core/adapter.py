@@ -25,11 +25,13 @@ import numpy as np
 from duplexserve import errors
 from duplexserve.codecs.formats import FormatError
 from duplexserve.codecs.opus_budget import OverBudget
+from duplexserve.codecs.pcm import SampleRangeError
 from duplexserve.codecs.pipeline import Decoder, Encoder
 from duplexserve.codecs.procpool import CodecProcesses
 from duplexserve.config import ServerConfig
 from duplexserve.errors import SessionError
 from duplexserve.server.core import prompts
+from duplexserve.server.core.audio_refusals import audio_refused
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.core.client_address import client_of
 from duplexserve.server.core.events import AudioOut, ClosedOut, Outgoing
@@ -44,10 +46,13 @@ log = logging.getLogger(__name__)
 def invalid_audio(session: Session, exc: FormatError) -> SessionError:
     """The fatal error that input which cannot be decoded ends its session with; input
     refused for what it would cost (codecs/opus_budget.py) is also counted and logged,
-    once: the session ends with it."""
+    once: the session ends with it; so is float32 that is not audio (codecs/pcm.py)."""
     if isinstance(exc, OverBudget) and not session.closed:
         over_budget(exc.budget)
         log.warning("session %s closed over its %s budget: %s", session.id, exc.budget, exc)
+    elif isinstance(exc, SampleRangeError) and not session.closed:
+        audio_refused(exc.reason)
+        log.warning("session %s closed for its audio: %s", session.id, exc)
     return SessionError("invalid_audio", str(exc), errors.UNSUPPORTED_DATA)
 
 

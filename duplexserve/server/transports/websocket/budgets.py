@@ -25,7 +25,11 @@ server/transports/websocket/fallback.py):
   connections, each ``burst_s`` ahead; past either it is closed 1008 as above. Eight
   connections of 1 MB JSON messages, each under the byte budget, saturated the loop (issue
   67); what all connections spend together is the overload manager's (server/overload.py),
-  which sheds new work past its ceiling.
+  which sheds new work past its ceiling;
+- the client's fair share of the loop (issue 73): each message's handling is also charged
+  to the connection's client (the one a trusted proxy names) in the overload manager, which
+  near the loop's capacity closes the costliest connections of clients over their share
+  (:meth:`MeteredProtocol.cut`) and refuses their next message (``fair_share``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +108,8 @@ class ParseMeter:
         self._addresses = AddressBuckets(rate, limits.burst_s) if rate > 0 else None
         self.spent_s = 0.0  # in all, since the start
         self._taken_s = 0.0
+        #: The overload manager: charges each message to its client's fair share (set by the app).
+        self.fair: Any = None
 
     def take_spent(self) -> float:
         """Seconds spent in all since the last call."""
@@ -183,6 +190,7 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         self._parse_started = False  # the buckets below are made at the first text message
         self._parse_bucket: Bucket | None = None
         self._parse_address: str | None = None
+        self._fair_client = ""  # the client charged for its messages' handling (overload manager)
         self._yielding = False  # a slice's continuation is scheduled; reading paused meanwhile
         self._dropping = False  # over a budget: nothing more is read or parsed
         #: The budget this connection went over (its session ends, not resumable), or None.
@@ -216,6 +224,13 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
             self._parse_started = True
             self._parse_bucket = parse.connection(self.loop.time())
             self._parse_address = parse.address(self.client)
+            if parse.fair is not None:
+                scope = getattr(self, "scope", None)  # its client rewritten for a trusted proxy's
+                client = scope.get("client") if scope is not None else self.client
+                self._fair_client = parse.fair.key(client[0]) if client else ""
+        if parse.fair is not None and parse.fair.refuses(self._fair_client, time.monotonic()):
+            self._over("fair_share")
+            return False
         bucket, address = self._parse_bucket, self._parse_address
         if bucket is None and address is None:
             return True
@@ -249,6 +264,12 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         scope = getattr(self, "scope", None)
         if scope is not None:  # no cycle (scope, charge, protocol) left to the collector
             scope["extensions"].pop(PARSE_EXTENSION, None)
+        if self.parse is not None and self.parse.fair is not None and self._parse_started:
+            self.parse.fair.forget(self._fair_client, self)
+
+    def cut(self) -> None:
+        """Closed by the overload manager: its client is over its fair share of the loop."""
+        self._over("fair_share")
 
     def _parsed(self, seconds: float) -> None:
         """Charge the loop's time handling one text message (:class:`ParseMeter`), after
@@ -257,6 +278,8 @@ class MeteredProtocol(WebSocketsSansIOProtocol):
         if parse is None:
             return
         parse.spent_s += seconds
+        if parse.fair is not None:
+            parse.fair.charge(self._fair_client, self, seconds, time.monotonic())
         bucket, address = self._parse_bucket, self._parse_address
         if bucket is None and address is None:
             return
