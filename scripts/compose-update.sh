@@ -23,7 +23,7 @@
 set -euo pipefail
 
 compose=(docker compose "$@")
-services=${DUPLEXSERVE_UPDATE_SERVICES:-$("${compose[@]}" config --services | grep -E '^duplexserve(-[0-9]+)?$' | sort -V)}
+services=${DUPLEXSERVE_UPDATE_SERVICES:-$("${compose[@]}" config --services | { grep -E '^duplexserve(-[0-9]+)?$' || true; } | sort -V)}
 ready_s=${DUPLEXSERVE_UPDATE_READY_S:-600}
 [ -n "$services" ] || { echo "compose-update: no duplexserve replica in this configuration" >&2; exit 2; }
 lb_running=$("${compose[@]}" ps --status running --services 2>/dev/null | grep -x lb || true)
