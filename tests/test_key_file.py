@@ -3,8 +3,8 @@
 The file is laid out as Kubernetes mounts a Secret volume: ``keys`` is a symlink through
 ``..data``, itself a symlink to a directory of the current version, swapped atomically for a
 new one on an update. A real server watches it; a live session opened with key A goes on
-streaming after A is taken out, while a new one with A is refused as PROTOCOL.md says for a
-bad key (close 1008, ``unauthorized``) and B is let in.
+streaming after A is taken out, while a new one with A is refused as docs/protocol.md says for
+a bad key (close 1008, ``unauthorized``) and B is let in.
 """
 
 from __future__ import annotations
