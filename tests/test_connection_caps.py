@@ -14,13 +14,13 @@ import contextlib
 import resource
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 
 import httpx
 import websockets.asyncio.client
 
+from duplexserve.bench.attacks import Threads
 from duplexserve.bench.http_flood import Pipeliner
 from tests import netns
 from tests.conftest import ServerProcess
@@ -133,25 +133,14 @@ def test_one_client_at_its_cap_leaves_health_and_other_clients_served(server_fac
 
 
 # ------------------------------------------------------------------ IPv6 prefix, upgrades
-class Flood:
+class Flood(Threads):
     """Threads pipelining 8 requests a write (within the pipelining budget) from ``source``."""
 
     def __init__(self, host: str, port: int, source: str, threads: int = 3) -> None:
+        super().__init__(threads)
         self.host, self.port, self.source = host, port, source
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
 
-    def __enter__(self) -> Flood:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
-
-    def _run(self) -> None:
+    def _run(self, i: int) -> None:
         while not self._stop.is_set():
             with (
                 contextlib.suppress(OSError),

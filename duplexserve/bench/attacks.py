@@ -36,14 +36,14 @@ def _frame(payload: bytes) -> bytes:
     return head + b"\0\0\0\0" + payload
 
 
-class _Threads:
+class Threads:
     """Threads that run until the ``with`` block ends."""
 
     def __init__(self, count: int) -> None:
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
 
-    def __enter__(self) -> _Threads:
+    def __enter__(self) -> Threads:
         for thread in self._threads:
             thread.start()
         return self
@@ -57,7 +57,7 @@ class _Threads:
         raise NotImplementedError
 
 
-class ForwardedFlood(_Threads):
+class ForwardedFlood(Threads):
     """``connections`` threads, each pipelining ``GET path`` 32 a write as forwarded client
     ``clients[i % len(clients)]``, reconnecting whenever closed."""
 
@@ -102,7 +102,7 @@ def forwarded_ws(port: int, client: str, path: str) -> socket.socket:
     return sock
 
 
-class ParseFlood(_Threads):
+class ParseFlood(Threads):
     """One key holder's connections, each sending a large JSON text message ``per_s`` times a
     second: under its 25 ms/s parse budget each, over the loop's capacity together."""
 
@@ -124,7 +124,7 @@ class ParseFlood(_Threads):
                 sock.sendall(self.blob)
 
 
-class SlowHeads(_Threads):
+class SlowHeads(Threads):
     """Keep-alive slowloris: ``connections`` connections from forwarded-looking peers, each
     sending a request head a byte every ``every_s``, reconnecting whenever closed."""
 

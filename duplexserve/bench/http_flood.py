@@ -20,30 +20,21 @@ import socket
 import threading
 import time
 
+from duplexserve.bench.attacks import Threads
+
 PIPELINED = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 32
 
 
-class Pipeliner:
+class Pipeliner(Threads):
     """``connections`` threads, each a connection from ``source`` pipelining :data:`PIPELINED`,
     reconnected whenever closed, until the ``with`` block ends."""
 
     def __init__(self, port: int, source: str, connections: int = 2, host: str = "127.0.0.1") -> None:
+        super().__init__(connections)
         self.host, self.port, self.source = host, port, source
         self.connects = self.requests = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(connections)]
 
-    def __enter__(self) -> Pipeliner:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(10)
-
-    def _run(self) -> None:
+    def _run(self, i: int) -> None:
         while not self._stop.is_set():
             sock = socket.socket()
             try:
