@@ -31,13 +31,14 @@ SECRET = "peer-secret-for-tests"
 TEMPLATE = "ws://127.0.0.1:{replica}"
 
 
-def start_replicas(server_factory: Any, monkeypatch: pytest.MonkeyPatch, count: int, *extra: str) -> list[Any]:
+def start_replicas(server_factory: Any, monkeypatch: pytest.MonkeyPatch, count: int,
+                   *extra: str) -> list[Any]:
     """Replicas named by their ports, each told where its peers are."""
     ports = [free_port() for _ in range(count)]
     given = iter(ports)
     monkeypatch.setattr(conftest, "free_port", lambda: next(given))
-    return [server_factory("--replica-id", str(port), "--peer-url-template", TEMPLATE, "--peer-secret", SECRET,
-                           *extra) for port in ports]
+    peers = ("--peer-url-template", TEMPLATE, "--peer-secret", SECRET)
+    return [server_factory("--replica-id", str(port), *peers, *extra) for port in ports]
 
 
 def round_robin_site(out: Path) -> Path:
@@ -56,8 +57,8 @@ def round_robin_site(out: Path) -> Path:
 def test_every_resume_lands_through_a_round_robin_proxy(server_factory, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr("tests.test_nginx_resume.REPLICAS", REPLICAS)
     servers = start_replicas(server_factory, monkeypatch, REPLICAS, "--max-sessions", "40",
-                             "--max-sessions-per-client", "0", "--resume-grace-s", "30", "--max-detached", "40",
-                             *REPLICA)
+                             "--max-sessions-per-client", "0", "--resume-grace-s", "30",
+                             "--max-detached", "40", *REPLICA)
     monkeypatch.setattr(test_nginx, "SHIPPED_CONF", round_robin_site(tmp_path / "site.conf"))
 
     async def main(url: str) -> list[ResumingClient]:

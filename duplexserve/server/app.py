@@ -232,8 +232,9 @@ class DuplexApp:
         if (await receive())["type"] != "websocket.connect":
             return True
         if name is not None:
-            if not auth.origin_allowed(scope, auth.parse_list(self.config.allowed_origins)) or not auth.key_ok(
-                scope, adapter.query, auth.parse_list(self.config.api_keys)
+            config = self.config
+            if not auth.origin_allowed(scope, auth.parse_list(config.allowed_origins)) or not auth.key_ok(
+                scope, adapter.query, auth.parse_list(config.api_keys)
             ):
                 refused = ("unauthorized", "a valid API key is required")
             else:

@@ -114,7 +114,8 @@ class PeerForwarder:
         if url is None:
             self.counts.failed += 1
             return f"the token names replica {name!r}, and no --peer-url-template says where it is"
-        offered = [p.strip() for p in (self._header(scope, "sec-websocket-protocol") or "").split(",") if p.strip()]
+        asked = self._header(scope, "sec-websocket-protocol") or ""
+        offered = [p.strip() for p in asked.split(",") if p.strip()]
         try:
             peer = await websockets.asyncio.client.connect(
                 url, additional_headers=self.headers(scope), subprotocols=offered or None,  # type: ignore[arg-type]
@@ -164,7 +165,8 @@ async def relay(receive: Receive, send: Send, peer: Any) -> None:
                     await send({"type": "websocket.send", "text": data})
         closed = peer.close_rcvd
         code = 1011 if closed is None else (1000 if closed.code in UNSENDABLE else closed.code)
-        await send({"type": "websocket.close", "code": code, "reason": "" if closed is None else closed.reason})
+        reason = "" if closed is None else closed.reason
+        await send({"type": "websocket.close", "code": code, "reason": reason})
 
     up = asyncio.create_task(client_to_peer())
     down = asyncio.create_task(peer_to_client())
@@ -174,7 +176,8 @@ async def relay(receive: Receive, send: Send, peer: Any) -> None:
         for task in (up, down):
             task.cancel()
         for task in (up, down):
-            with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed, OSError, RuntimeError):
+            with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed, OSError,
+                                     RuntimeError):
                 await task
         if peer.close_rcvd is None and peer.close_sent is None:
             peer.transport.abort()
