@@ -96,7 +96,7 @@ class PeerForwarder:
         return None
 
     def url_of(self, name: str, scope: Scope) -> str | None:
-        if not self.url_template:
+        if not (self.url_template and self.secret):
             return None
         base = self.url_template.format(replica=name).rstrip("/")
         query = scope.get("query_string", b"").decode("latin-1")
@@ -113,7 +113,8 @@ class PeerForwarder:
         url = self.url_of(name, scope)
         if url is None:
             self.counts.failed += 1
-            return f"the token names replica {name!r}, and no --peer-url-template says where it is"
+            return (f"the token names replica {name!r}, and this replica forwards no resume "
+                    "(--peer-url-template and --peer-secret)")
         asked = self._header(scope, "sec-websocket-protocol") or ""
         offered = [p.strip() for p in asked.split(",") if p.strip()]
         try:
