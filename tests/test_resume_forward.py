@@ -68,6 +68,7 @@ def test_every_resume_lands_through_a_round_robin_proxy(server_factory, tmp_path
         clients = asyncio.run(main(url))
 
     assert len(clients) == SESSIONS
+    assert [c.close_code for c in clients] == [1000] * SESSIONS  # the owner's close code, relayed
     totals = {"resumed": 0, "refused": 0, "forwarded": 0, "failed": 0}
     for server in servers:
         metrics = server.metrics()
@@ -77,6 +78,7 @@ def test_every_resume_lands_through_a_round_robin_proxy(server_factory, tmp_path
         totals["failed"] += metrics['duplexserve_resume_forwards_total{outcome="failed"}']
     assert totals["resumed"] == SESSIONS and totals["refused"] == totals["failed"] == 0, totals
     assert totals["forwarded"] > 0, f"round robin sent no resume to another replica: {totals}"
+    assert not any("Traceback" in server.log() for server in servers)
 
 
 async def refusal(url: str, headers: dict[str, str] | None = None) -> tuple[dict[str, Any], int | None]:
@@ -85,6 +87,28 @@ async def refusal(url: str, headers: dict[str, str] | None = None) -> tuple[dict
         with pytest.raises(websockets.ConnectionClosed):
             await ws.recv()
         return event, ws.close_code
+
+
+def test_the_owners_refusal_is_relayed_as_it_said_it(server_factory, monkeypatch) -> None:
+    """The owner's error event (text) and close code come through the relay unchanged; the token,
+    not spent by a bad last_frame, then resumes through the other replica."""
+    owner, other = start_replicas(server_factory, monkeypatch, 2)
+
+    async def main() -> tuple[dict[str, Any], int | None, dict[str, Any]]:
+        ws = await websockets.asyncio.client.connect(f"ws://127.0.0.1:{owner.port}/v1/duplex")
+        token = json.loads(await ws.recv())["resume"]["token"]
+        ws.transport.abort()  # dropped: the session waits, detached
+        via = f"ws://127.0.0.1:{other.port}/v1/duplex?resume={token}"
+        event, code = await refusal(f"{via}&last_frame=999")
+        async with websockets.asyncio.client.connect(f"{via}&last_frame=-1") as resumed:
+            return event, code, json.loads(await resumed.recv())
+
+    event, code, resumed = asyncio.run(main())
+    assert code == 1008 and event["code"] == "resume_failed", event
+    assert "last_frame must be" in event["message"], event  # the owner's own words
+    assert resumed["type"] == "session.resumed", resumed
+    assert other.metrics()['duplexserve_resume_forwards_total{outcome="forwarded"}'] == 2
+    assert owner.metrics()['duplexserve_session_resumes_total{outcome="resumed"}'] == 1
 
 
 def test_an_unreachable_owner_and_a_second_hop_are_refused(server_factory, monkeypatch) -> None:

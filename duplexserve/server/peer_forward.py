@@ -103,7 +103,12 @@ class PeerForwarder:
         return f"{base}{scope['path']}?{query}"
 
     def headers(self, scope: Scope) -> list[tuple[str, str]]:
+        """The client's headers the owner needs, the client as this replica sees it (the owner
+        believes it only if it lists this replica in --forwarded-allow-ips), and the hop."""
         passed = [(k.decode(), v.decode("latin-1")) for k, v in scope.get("headers", ()) if k in PASSED]
+        client = scope.get("client")
+        if client:
+            passed.append(("x-forwarded-for", client[0]))
         return [*passed, (HOP_HEADER, self.replica_id), (SECRET_HEADER, self.secret)]
 
     async def forward(self, name: str, scope: Scope, receive: Receive, send: Send) -> str | None:
@@ -164,7 +169,7 @@ async def relay(receive: Receive, send: Send, peer: Any) -> None:
                     await send({"type": "websocket.send", "bytes": data})
                 else:
                     await send({"type": "websocket.send", "text": data})
-        closed = peer.close_rcvd
+        closed = peer.protocol.close_rcvd
         code = 1011 if closed is None else (1000 if closed.code in UNSENDABLE else closed.code)
         reason = "" if closed is None else closed.reason
         await send({"type": "websocket.close", "code": code, "reason": reason})
@@ -180,7 +185,7 @@ async def relay(receive: Receive, send: Send, peer: Any) -> None:
             with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed, OSError,
                                      RuntimeError):
                 await task
-        if peer.close_rcvd is None and peer.close_sent is None:
+        if peer.protocol.close_rcvd is None and peer.protocol.close_sent is None:
             peer.transport.abort()
 
 
