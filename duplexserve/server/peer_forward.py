@@ -73,7 +73,8 @@ class PeerForwarder:
 
     def owner(self, scope: Scope) -> str | None:
         """The replica named by this upgrade's resume token when it is another one; else None."""
-        if scope.get("path") != "/v1/duplex" or not self.replica_id:
+        if scope.get("path") != "/v1/duplex" or not self.replica_id \
+                or b"resume=" not in scope.get("query_string", b""):  # a new session: no parse
             return None
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
         name, dot, _ = query.get("resume", "").partition(".")
