@@ -26,7 +26,7 @@ from tests.test_nginx import NGINX, REPLICA, nginx_in_front
 from tests.test_nginx_resume import generated_site, one_call
 
 REPLICAS = 3
-SESSIONS = 30
+SESSIONS = 100
 SECRET = "peer-secret-for-tests"
 TEMPLATE = "ws://127.0.0.1:{replica}"
 
