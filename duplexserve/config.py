@@ -435,6 +435,17 @@ class ServerConfig:
         "(NAME.random) so that the proxy routes a resume to the replica holding the session "
         "(docker/nginx/duplexserve.conf); letters, digits and '-'",
     )
+    peer_url_template: str = _opt(
+        "", "duplex/1 behind a proxy with no affinity: where the replica a resume token names listens, "
+        "{replica} standing for its --replica-id (ws://{replica}:8998 on compose; "
+        "ws://{replica}.duplexserve-headless.NAMESPACE.svc:8998 on Kubernetes); with --peer-secret, a "
+        "resume for another replica is relayed to it (docs/protocol.md). Else such a resume fails "
+        "(resume_failed)",
+    )
+    peer_secret: str = _opt(
+        "", "the secret replicas send each other on a forwarded resume (the same on every replica); a "
+        "forwarded resume without it is refused, and none is forwarded while it is empty",
+    )
     refuse_with_http_503: bool = _opt(
         False,
         "when full or draining, answer the WebSocket upgrade with HTTP 503 instead of accepting and "
@@ -622,6 +633,8 @@ class ServerConfig:
             raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
         if not re.fullmatch(r"[A-Za-z0-9-]*", self.replica_id):
             raise ValueError(f"--replica-id {self.replica_id!r}: letters, digits and '-' only")
+        if self.peer_url_template and "{replica}" not in self.peer_url_template:
+            raise ValueError(f"--peer-url-template {self.peer_url_template!r}: no {{replica}} in it")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:
             raise ValueError("resume_grace_s cannot be negative and late_frame_ms must be positive")
         if self.drain_max_s <= 0:

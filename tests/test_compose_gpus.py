@@ -108,6 +108,11 @@ def test_compose_config_accepts_the_override(tmp_path, cpu) -> None:
     assert sorted(set(services) - {"lb", "loadgen"}) == replicas
     assert [services[r]["environment"]["NVIDIA_VISIBLE_DEVICES"] for r in replicas] == ["0", "1", "2", "3"]
     assert {services[r].get("runtime") for r in replicas} == {"runc" if cpu else "nvidia"}
+    # Resume with no affinity: each replica's id is its service name, which its peers reach it by.
+    for r in replicas:
+        environment = services[r]["environment"]
+        assert environment["DUPLEXSERVE_REPLICA_ID"] == r
+        assert environment["DUPLEXSERVE_PEER_URL_TEMPLATE"].format(replica=r) == f"ws://{r}:8998"
 
 
 @pytest.mark.skipif(not os.path.exists(NGINX), reason=f"nginx not installed at {NGINX}")

@@ -59,18 +59,21 @@ def render(overlay: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = [o for o in objects if o["kind"] == kind]
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
     assert len(found) == 1, f"{len(found)} objects of kind {kind}"
     return found[0]
 
 
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    return one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return one(objects, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
 
 
 #: The Secrets the pods read, as a test cluster would hold them (docs/deploy-kubernetes.md makes them).
-SECRETS = {"duplexserve-api-keys": {"api-keys": "# the fleet's keys\nk8s-test-key\n"}}
+SECRETS = {"duplexserve-api-keys": {"api-keys": "# the fleet's keys\nk8s-test-key\n"},
+           "duplexserve-peer-secret": {"peer-secret": "k8s-test-peer-secret"}}
+#: What the kubelet sets from the pod's own fields (the downward API) in the tests' pod.
+FIELDS = {"metadata.name": "duplexserve-0", "metadata.namespace": "duplexserve-test"}
 
 
 def secret_files(pod: dict[str, Any]) -> dict[str, str]:
@@ -91,7 +94,11 @@ def container_env(c: dict[str, Any]) -> dict[str, str]:
     out = {}
     for e in c["env"]:
         ref = e.get("valueFrom", {}).get("secretKeyRef")
-        out[e["name"]] = SECRETS[ref["name"]][ref["key"]] if ref else e["value"]
+        field = e.get("valueFrom", {}).get("fieldRef")
+        if field is not None:
+            out[e["name"]] = FIELDS[field["fieldPath"]]
+        else:
+            out[e["name"]] = SECRETS[ref["name"]][ref["key"]] if ref else e["value"]
     return out
 
 
@@ -111,16 +118,30 @@ def crd_schema(obj: dict[str, Any]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def strict(node: Any) -> Any:
+    """The schema as ``kubectl apply`` checks it (strict field validation, its default): a field
+    the CRD does not name is an error, unless the CRD keeps unknown fields there."""
+    if isinstance(node, list):
+        return [strict(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: strict(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out \
+            and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
 def validate_custom(obj: dict[str, Any]) -> None:
-    """Against the CRD's schema as is: not checked against the metaschema, since some of its
+    """Against the CRD's schema, strict: not checked against the metaschema, since some of its
     patterns are Go's (RE2 flags Python's re refuses) in fields this project never sets."""
-    jsonschema.Draft7Validator(crd_schema(obj)).validate(obj)
+    jsonschema.Draft7Validator(strict(crd_schema(obj))).validate(obj)
 
 
 def test_every_object_validates(rendered) -> None:
     _, objects = rendered
     kinds = {o["kind"] for o in objects}
-    assert kinds == {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "HTTPRoute",
+    assert kinds == {"Namespace", "StatefulSet", "Service", "PodDisruptionBudget", "HTTPRoute",
                      "BackendTrafficPolicy", "ScaledObject", "ServiceMonitor", "PrometheusRule",
                      "NetworkPolicy"}
     validate_all(objects)
@@ -150,15 +171,26 @@ def test_schemas_catch_a_misspelt_field(rendered) -> None:
     route["spec"]["loadBalancer"]["type"] = "LeastConnections"
     with pytest.raises(jsonschema.ValidationError):
         validate_custom(route)
-    deployment = json.loads(json.dumps(one(objects, "Deployment")))
+    deployment = json.loads(json.dumps(one(objects, "StatefulSet")))
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
 
 
+def test_routes_need_only_the_standard_channel(rendered) -> None:
+    """The vendored HTTPRoute schema is Gateway API's standard channel: the experimental channel's
+    session persistence (once the resume's affinity) is refused, and no route uses it."""
+    _, objects = rendered
+    route = json.loads(json.dumps(one(objects, "HTTPRoute")))
+    validate_custom(route)
+    route["spec"]["rules"][0]["sessionPersistence"] = {"sessionName": "duplexserve-replica", "type": "Cookie"}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom(route)
+
+
 def test_pod_is_one_gpu_locked_down_and_probed(rendered) -> None:
     _, objects = rendered
-    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
     c = container(objects)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["automountServiceAccountToken"] is False
@@ -184,7 +216,7 @@ def test_drain_grace_follows_the_pod_grace(rendered) -> None:
     """One setting: the server drains for terminationGracePeriodSeconds - 15 s (the preStop
     sleep and a margin), and the drain-past-grace alert waits the grace."""
     _, objects = rendered
-    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
     grace = pod["terminationGracePeriodSeconds"]
     assert env(objects)["DUPLEXSERVE_TERMINATION_GRACE_S"] == str(grace)
     c = container(objects)
@@ -203,7 +235,7 @@ def test_a_grace_set_in_an_overlay_carries_to_the_server_and_the_alert(tmp_path)
     grace = "    spec:\n      terminationGracePeriodSeconds: 1800\n"
     patch.write_text(patch.read_text().replace("    spec:\n", grace, 1))
     objects = render(copy / "overlays" / "hibiki-zero-3b")
-    assert one(objects, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 1800
+    assert one(objects, "StatefulSet")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 1800
     assert env(objects)["DUPLEXSERVE_TERMINATION_GRACE_S"] == "1800"
     rules = one(objects, "PrometheusRule")["spec"]["groups"][0]["rules"]
     assert next(r for r in rules if r.get("alert") == "DuplexserveDrainPastGrace")["for"] == "1800s"
@@ -218,7 +250,7 @@ def test_model_per_overlay(rendered) -> None:
             "personaplex-7b": "nvidia/personaplex-7b-v1"}[name]
     assert e["DUPLEXSERVE_MOSHI_HF_REPO"] == repo and e["DUPLEXSERVE_MOSHI_WEIGHTS"] == ""
     assert e["DUPLEXSERVE_MODEL"] == name and "DUPLEXSERVE_API_KEYS" not in e  # no key in the env
-    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
     assert "k8s-test-key" in secret_files(pod)[e["DUPLEXSERVE_API_KEYS_FILE"]].splitlines()
     assert e["DUPLEXSERVE_SERVED_MODEL_NAME"] == name  # any other ?model= refused, not served
     assert (e.get("DUPLEXSERVE_MOSHI_CFG_COEF") == "3") == (name == "hibiki-2b")
@@ -230,7 +262,7 @@ def test_autoscaler_counts_slots_of_its_own_namespace(rendered) -> None:
     _, objects = rendered
     namespace = one(objects, "Namespace")["metadata"]["name"]
     scaled = one(objects, "ScaledObject")
-    assert scaled["spec"]["scaleTargetRef"]["name"] == one(objects, "Deployment")["metadata"]["name"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == one(objects, "StatefulSet")["metadata"]["name"]
     trigger = scaled["spec"]["triggers"][0]
     query = trigger["metadata"]["query"]
     assert "NAMESPACE" not in query
@@ -260,9 +292,10 @@ def test_one_dashboard_for_every_model_in_grafanas_namespace() -> None:
 
 def test_pods_spread_outrank_batch_work_and_take_calls_only_from_the_gateway(rendered) -> None:
     """Issue 75: replicas spread over nodes and zones, carry the shared PriorityClass, and a
-    NetworkPolicy admits the API port only from Envoy Gateway's proxies and Prometheus."""
+    NetworkPolicy admits the API port only from Envoy Gateway's proxies, Prometheus and the
+    other replicas (relayed resumes)."""
     _, objects = rendered
-    pod = one(objects, "Deployment")["spec"]["template"]
+    pod = one(objects, "StatefulSet")["spec"]["template"]
     spread = pod["spec"]["topologySpreadConstraints"]
     assert {c["topologyKey"] for c in spread} == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
     assert all(c["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items() for c in spread)
@@ -271,8 +304,11 @@ def test_pods_spread_outrank_batch_work_and_take_calls_only_from_the_gateway(ren
     policy = one(objects, "NetworkPolicy")["spec"]
     assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     tcp = [r for r in policy["ingress"] if "from" in r]
-    assert [{p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in r["from"]}
-            for r in tcp] == [{"envoy-gateway-system", "monitoring"}]
+    assert [{p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in r["from"]
+             if "namespaceSelector" in p} for r in tcp] == [{"envoy-gateway-system", "monitoring"}]
+    # the other replicas: a resume relayed to the pod its token names (peer_forward.py)
+    peers = [p["podSelector"]["matchLabels"] for p in tcp[0]["from"] if "podSelector" in p]
+    assert peers and all(m.items() <= pod["metadata"]["labels"].items() for m in peers)
     assert tcp[0]["ports"] == [{"protocol": "TCP", "port": 8998}]
 
 

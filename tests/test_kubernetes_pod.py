@@ -75,7 +75,7 @@ def start_container(pod: dict[str, Any], tmp: Path) -> tuple[subprocess.Popen[by
 
 def test_pod_starts_probes_and_drains_as_its_spec_says(tmp_path) -> None:
     objects = render(KUBE / "overlays" / "hibiki-zero-3b")
-    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
     container = pod["containers"][0]
     grace = pod["terminationGracePeriodSeconds"]
     proc, port, log = start_container(pod, tmp_path)

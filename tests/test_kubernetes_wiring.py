@@ -84,17 +84,17 @@ def faults(objects: Objects, gateway: Objects, exported: set[str]) -> list[str]:
     found: list[str] = []
     namespace = one(objects, "Namespace")["metadata"]
     ns = namespace["name"]
-    deployment = one(objects, "Deployment")
+    deployment = one(objects, "StatefulSet")
     pods = deployment["spec"]["template"]["metadata"]["labels"]
-    service = one(objects, "Service")
+    service = one(objects, "Service", "duplexserve")
     monitor = one(objects, "ServiceMonitor")
     rules = one(objects, "PrometheusRule")
     route = one(objects, "HTTPRoute")
 
     if not selects(deployment["spec"]["selector"]["matchLabels"], pods):
-        found.append("Deployment: its selector does not select its own pods")
+        found.append("StatefulSet: its selector does not select its own pods")
     if not selects(service["spec"]["selector"], pods):
-        found.append("Service: selects no pod of the Deployment")
+        found.append("Service: selects no pod of the StatefulSet")
     if not selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"].get("labels")):
         found.append("ServiceMonitor: selects no Service")
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
@@ -104,9 +104,9 @@ def faults(objects: Objects, gateway: Objects, exported: set[str]) -> list[str]:
         if not selects(RELEASE, obj["metadata"].get("labels")):
             found.append(f"{kind}: no release label, kube-prometheus-stack's Prometheus ignores it")
     if not selects(one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pods):
-        found.append("PodDisruptionBudget: covers no pod of the Deployment")
+        found.append("PodDisruptionBudget: covers no pod of the StatefulSet")
     target = one(objects, "ScaledObject")["spec"]["scaleTargetRef"]
-    if target.get("kind", "Deployment") != "Deployment" or target["name"] != deployment["metadata"]["name"]:
+    if target.get("kind", "Deployment") != "StatefulSet" or target["name"] != deployment["metadata"]["name"]:
         found.append("ScaledObject: scales no workload of the overlay")
 
     # The route: attached to the shared Gateway's HTTPS listener, which admits this namespace.
@@ -129,8 +129,9 @@ def faults(objects: Objects, gateway: Objects, exported: set[str]) -> list[str]:
                 found.append(f"HTTPRoute: routes {path} through the Gateway")
     server_env = container_env(deployment["spec"]["template"]["spec"]["containers"][0])
     model = server_env["DUPLEXSERVE_MODEL"]
+    found += peer_faults(objects, server_env)
     if server_env.get("DUPLEXSERVE_SERVED_MODEL_NAME") != model:  # else it serves any ?model= sent to it
-        found.append(f"Deployment: DUPLEXSERVE_SERVED_MODEL_NAME is not {model!r}, the only model it serves")
+        found.append(f"StatefulSet: DUPLEXSERVE_SERVED_MODEL_NAME is not {model!r}, the only model it serves")
     by_model = next((r for r in route["spec"]["rules"] if r.get("name") == "model"), {"matches": []})
     asked = {q["value"] for m in by_model["matches"] for q in m.get("queryParams", [])
              if q["name"] == "model"}
@@ -150,6 +151,30 @@ def faults(objects: Objects, gateway: Objects, exported: set[str]) -> list[str]:
         found += query_faults(f"alert {r['alert']}", r["expr"], ns, exported)
     for t in one(objects, "ScaledObject")["spec"]["triggers"]:
         found += query_faults("ScaledObject", t["metadata"]["query"], ns, exported)
+    return found
+
+
+def peer_faults(objects: Objects, server_env: dict[str, str]) -> list[str]:
+    """Resume with no affinity: each pod reachable by its name (the replica id of its tokens)
+    through a headless Service that lists it even while not ready."""
+    found: list[str] = []
+    stateful = one(objects, "StatefulSet")
+    headless = one(objects, "Service", stateful["spec"].get("serviceName"))
+    spec, pods = headless["spec"], stateful["spec"]["template"]["metadata"]["labels"]
+    if spec.get("clusterIP") != "None" or not spec.get("publishNotReadyAddresses") or not selects(
+            spec["selector"], pods):
+        found.append("headless Service: not headless, hides pods not ready, or selects no pod")
+    ns = one(objects, "Namespace")["metadata"]["name"]
+    port = next(p["port"] for p in spec["ports"] if p["name"] == "http")
+    url = server_env.get("DUPLEXSERVE_PEER_URL_TEMPLATE", "")
+    if "POD_NAMESPACE" in server_env:  # the kubelet puts the pod's namespace in its place
+        url = url.replace("$(POD_NAMESPACE)", ns)
+    if url != f"ws://{{replica}}.{headless['metadata']['name']}.{ns}.svc:{port}":
+        found.append(f"StatefulSet: DUPLEXSERVE_PEER_URL_TEMPLATE {url!r} names no pod of the headless "
+                     "Service")
+    replica = server_env.get("DUPLEXSERVE_REPLICA_ID")
+    if replica != "duplexserve-0" or not server_env.get("DUPLEXSERVE_PEER_SECRET"):
+        found.append("StatefulSet: the replica id is not the pod's name, or no peer secret")
     return found
 
 
@@ -183,7 +208,7 @@ def test_dashboard_queries_name_exported_metrics_of_the_chosen_namespaces(gatewa
 
 
 def _relabel_service(o: Objects) -> None:
-    one(o, "Service")["metadata"]["labels"] = {"app.kubernetes.io/part-of": "duplexserve"}
+    one(o, "Service", "duplexserve")["metadata"]["labels"] = {"app.kubernetes.io/part-of": "duplexserve"}
 
 
 def _rename(kind: str, *path: str | int) -> Callable[[Objects], None]:
@@ -222,13 +247,13 @@ def _namespace_label(o: Objects) -> None:
 
 def _unserve(o: Objects) -> None:
     """No --served-model-name: the default route's requests for unserved models would be served."""
-    container = one(o, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    container = one(o, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
     container["env"] = [v for v in container["env"] if v["name"] != "DUPLEXSERVE_SERVED_MODEL_NAME"]
 
 
 BREAKS: dict[str, tuple[Callable[[Objects], None], str]] = {
     "the Service's labels (issue 68)": (_relabel_service, "ServiceMonitor: selects no Service"),
-    "the Service's selector": (lambda o: one(o, "Service")["spec"]["selector"].update(
+    "the Service's selector": (lambda o: one(o, "Service", "duplexserve")["spec"]["selector"].update(
         {"app.kubernetes.io/name": "other"}), "Service: selects no pod"),
     "the ServiceMonitor's port": (lambda o: one(o, "ServiceMonitor")["spec"]["endpoints"][0].update(
         port="metrics"), "ServiceMonitor: names a port"),
@@ -245,6 +270,10 @@ BREAKS: dict[str, tuple[Callable[[Objects], None], str]] = {
     "the route's paths": (_route_all, "routes /metrics through the Gateway"),
     "the route's model": (lambda o: one(o, "HTTPRoute")["spec"]["rules"][0]["matches"][0][
         "queryParams"][0].update(value="other"), "HTTPRoute: routes ?model="),
+    "the headless Service": (lambda o: one(o, "Service", "duplexserve-headless")["spec"].pop(
+        "publishNotReadyAddresses"), "headless Service: not headless"),
+    "the peer URL": (lambda o: one(o, "StatefulSet")["spec"].update(serviceName="duplexserve"),
+                     "headless Service: not headless"),
     "the served model name": (_unserve, "DUPLEXSERVE_SERVED_MODEL_NAME is not"),
     "the traffic policy's target": (lambda o: one(o, "BackendTrafficPolicy")["spec"]["targetRefs"][0].update(
         name="other"), "BackendTrafficPolicy: applies to no route"),

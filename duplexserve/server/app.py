@@ -40,6 +40,7 @@ from duplexserve.server.http_errors import http_error
 from duplexserve.server.key_file import KeyFile
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.overload import OverloadCollector, OverloadManager, Thresholds
+from duplexserve.server.peer_forward import PeerForwardCollector, PeerForwarder
 from duplexserve.server.protocols.moshi_chat import MoshiConnection
 from duplexserve.server.protocols.native import NativeConnection
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
@@ -138,6 +139,9 @@ class DuplexApp:
         )
         self.parse.fair = self.overload  # text messages charged to their client's fair share
         self.metrics.registry.register(OverloadCollector(self.overload))
+        #: Resumes for sessions on another replica (server/peer_forward.py).
+        self.peers = PeerForwarder(config.replica_id, config.peer_url_template, config.peer_secret)
+        self.metrics.registry.register(PeerForwardCollector(self.peers))
         self.http = self._http_app()
         #: --api-keys-file: loaded now (into config.api_keys), re-read on change while serving.
         self.key_file = KeyFile(config) if config.api_keys_file else None
@@ -218,6 +222,32 @@ class DuplexApp:
 
         return app
 
+    async def _to_peer(self, scope: Scope, receive: Receive, send: Send, adapter: ProtocolAdapter) -> bool:
+        """A resume for a session another replica holds is relayed to it, and a forwarded one
+        that fails the peer check is refused (server/peer_forward.py); True when done here."""
+        peers = self.peers
+        refused = peers.check(scope)
+        name = None if refused is not None else peers.owner(scope)
+        if refused is None and name is None:
+            return False
+        if (await receive())["type"] != "websocket.connect":
+            return True
+        if name is not None:
+            config = self.config
+            if not auth.origin_allowed(scope, auth.parse_list(config.allowed_origins)) or not auth.key_ok(
+                scope, adapter.query, auth.parse_list(config.api_keys)
+            ):
+                refused = ("unauthorized", "a valid API key is required")
+            else:
+                reason = await peers.forward(name, scope, receive, send)
+                if reason is None:
+                    return True
+                self.orchestrator.resume.refuse()
+                refused = ("resume_failed", reason)
+        assert refused is not None
+        await adapter.refuse(errors.POLICY, *refused)
+        return True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.forwarded is not None and scope["type"] != "lifespan":
             self.forwarded.rewrite(scope)
@@ -235,7 +265,8 @@ class DuplexApp:
                 if (await receive())["type"] == "websocket.connect":
                     await adapter.refuse(errors.TRY_AGAIN, "server_unavailable", "overloaded: retry later")
                 return
-            await transport.run(adapter)
+            if not await self._to_peer(scope, receive, send, adapter):
+                await transport.run(adapter)
             return
         if scope["type"] == "http" and scope["path"] in self.keyed_paths and self.config.api_keys:
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
