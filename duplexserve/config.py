@@ -510,8 +510,8 @@ class ServerConfig:
     # Behaviour switches used by tests and benchmarks.
     synthetic_faults: bool = _opt(
         False,
-        "tests only: the synthetic engine raises on a frame whose first sample is 1e30 and hangs "
-        "on one whose first sample is -1e30",
+        "tests only: the synthetic engine raises on a frame whose first sample is 1000 and hangs "
+        "on one whose first sample is -1000",
     )
     offload_every_frame: bool = _opt(
         False,

@@ -99,7 +99,7 @@ def test_s16_clips_out_of_range():
 
 
 def test_native_f32_is_a_view_and_odd_bytes_are_refused():
-    data = np.arange(FRAME_SAMPLES, dtype="<f4").tobytes()
+    data = (np.arange(FRAME_SAMPLES, dtype="<f4") / FRAME_SAMPLES).tobytes()  # audio: within [-1, 1]
     decoded = make_decoder(AudioFormat()).decode(data)
     assert decoded.base is not None and decoded.tobytes() == data
     with pytest.raises(FormatError):

@@ -16,7 +16,7 @@ import numpy as np
 
 from duplexserve.engine_bridge.engine import Engine, StepResult, Tail
 
-FAIL_MARK = np.float32(1e30)
+FAIL_MARK = np.float32(1000.0)  # within the edge's bound (codecs/pcm.py), far outside real audio
 WORDS = (" hello", " from", " the", " duplex", " echo", " engine.")
 
 
@@ -81,7 +81,7 @@ class SyntheticEngine(Engine):
 
     @staticmethod
     def _inject(frames: np.ndarray) -> None:
-        """Test hook: a frame starting with 1e30 makes the step raise, -1e30 makes it hang."""
+        """Test hook: a frame starting with FAIL_MARK makes the step raise, -FAIL_MARK makes it hang."""
         first = frames[:, 0]
         if (first == FAIL_MARK).any():
             raise RuntimeError("injected engine fault")
