@@ -150,6 +150,7 @@ def budgeted_http(
             key = self._key
 
             def connection_lost(exc: Exception | None) -> None:
+                del lost.__self__.connection_lost  # no cycle (protocol, this patch) left to the collector
                 connections.release(key)  # type: ignore[union-attr]
                 lost(exc)
 

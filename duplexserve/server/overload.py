@@ -214,7 +214,10 @@ class OverloadManager:
                 requests.capacity = max(base * CEILING_MIN, requests.capacity * CEILING_CUT)
             else:
                 requests.capacity = min(base, requests.capacity + base * CEILING_GROW)
-        self.pressed = self.overloaded or self._hot > 0 or share.total(now) > PRESSED * share.capacity
+        # With no ceiling on text handling (--overload-parse-share 0) only a sustained overload
+        # presses: a client's text alone, however much, is then no one's concern.
+        early = self._hot > 0 or share.total(now) > PRESSED * share.capacity
+        self.pressed = self.overloaded or (bool(self.thresholds.parse_share) and early)
         if not self.pressed:
             return
         for client in share.over_clients(now, self._room()):
