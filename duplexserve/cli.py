@@ -78,7 +78,7 @@ def serve(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from duplexserve.check.preflight import CannotServe, preflight
-    from duplexserve.server.run import listen_socket
+    from duplexserve.listen import listen_socket
     from duplexserve.server.run import serve as run_server
 
     try:  # before the preflight and the model's load: a busy port is said at once

@@ -32,8 +32,8 @@ from duplexserve.check.sessions import session_problems
 from duplexserve.codecs.libopus import LIBOPUS
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
 from duplexserve.engine_bridge.moshi.presets import preset_note
+from duplexserve.listen import listen_socket
 from duplexserve.options import settle
-from duplexserve.server.listen import listen_socket
 
 Line = Callable[[str, str], None]
 

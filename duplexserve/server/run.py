@@ -28,7 +28,6 @@ from duplexserve.server.connection_caps import (
 )
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.http_budgets import HttpLimits, budgeted_http
-from duplexserve.server.listen import listen_socket  # noqa: F401  (cli.py binds through run)
 from duplexserve.server.transports.websocket.budgets import (
     DEFAULT_LIMITS,
     UNLIMITED,
@@ -264,7 +263,7 @@ def per_connection_line(record: logging.LogRecord) -> bool:
 
 
 def serve(config: ServerConfig, sock: socket.socket) -> None:
-    """Serve ``config`` on ``sock``, bound by :func:`listen_socket`."""
+    """Serve ``config`` on ``sock``, bound by ``duplexserve.listen.listen_socket``."""
     log_redaction.install()  # the root's handler; uvicorn's come with its config
     if config.log_level != "debug":
         for name in QUIET_BELOW_DEBUG:
