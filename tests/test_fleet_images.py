@@ -192,7 +192,7 @@ def exec_report(name: str, paths: list[str]) -> dict[str, str]:
 
 
 def test_pod_spec_runs_in_the_cpu_image_probes_and_drains_as_the_kubelet_would(cpu, tmp_path) -> None:
-    pod = one(render(OVERLAY), "Deployment")["spec"]["template"]["spec"]
+    pod = one(render(OVERLAY), "StatefulSet")["spec"]["template"]["spec"]
     container = pod["containers"][0]
     grace = pod["terminationGracePeriodSeconds"]
     name = f"duplexserve-ci-pod-{RUN}"
