@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("serve", "check"):
         try:  # MODEL: the settings it stands for
-            model_source.apply(args, sys.argv[1:] if argv is None else argv)
+            model_source.apply(args)
         except ValueError as exc:
             print(f"duplexserve {args.command}: {exc}", file=sys.stderr)
             return 2

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from duplexserve.config import AUTO_SESSIONS, ENV_PREFIX
+from duplexserve.config import AUTO_SESSIONS, GIVEN
+from duplexserve.options import environment_set
 
 if TYPE_CHECKING:  # imported where used: the command line imports this module before any engine
     from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, FetchError
@@ -62,15 +62,15 @@ def split(model: str) -> tuple[str, str]:
     return model, ""
 
 
-def apply(args: argparse.Namespace, argv: Sequence[str]) -> None:
+def apply(args: argparse.Namespace) -> None:
     """Turn MODEL, if given, into the settings it stands for; ValueError for what contradicts it.
-
-    ``argv``: the command line, to tell a flag given from its default (``DUPLEXSERVE_*`` too).
-    """
+    A setting counts as given on the command line (its flag) or in a non-empty variable, as
+    options.py counts it."""
     model = getattr(args, DEST, "")
     if not model:
         return
-    if _given(argv, "engine") and args.engine != "moshi":
+    given = getattr(args, GIVEN, set()) | environment_set()
+    if "engine" in given and args.engine != "moshi":
         raise ValueError(f"MODEL {model} is served by the moshi engine, not --engine {args.engine}"
                          + ("; vLLM-Omni's model is --vllm-omni-model" if args.engine == "vllm-omni" else ""))
     if args.moshi_hf_repo or args.moshi_weights:
@@ -78,16 +78,8 @@ def apply(args: argparse.Namespace, argv: Sequence[str]) -> None:
                          "give one")
     args.moshi_hf_repo, args.moshi_weights = split(model)
     args.engine = "moshi"
-    if not _given(argv, "max_sessions"):
+    if "max_sessions" not in given:
         args.max_sessions = AUTO_SESSIONS
-
-
-def _given(argv: Sequence[str], name: str) -> bool:
-    """Whether the flag of setting ``name`` is on the command line or in its environment variable
-    (both flags are whole words: a shorter prefix is ambiguous, so argparse takes no other form)."""
-    flag = "--" + name.replace("_", "-")
-    in_argv = any(a == flag or a.startswith(flag + "=") for a in argv)
-    return in_argv or (ENV_PREFIX + name.upper()) in os.environ
 
 
 def fetch(args: argparse.Namespace) -> None:
