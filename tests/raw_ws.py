@@ -3,31 +3,19 @@ reading, send frames the library would refuse to build, keep sending after an er
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import struct
 
 import numpy as np
 
+from duplexserve.bench.attacks import upgrade
+
 
 def connect(port: int, path: str = "/v1/duplex") -> tuple[socket.socket, bytes]:
-    """Open and upgrade; returns the socket and any bytes that came after the 101."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall(
-        f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
-    )
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed during the handshake")
-        data += chunk
-    head, rest = data.split(b"\r\n\r\n", 1)
-    assert b" 101 " in head.split(b"\r\n")[0], head
-    return sock, rest
+    """Open and upgrade; returns the socket and any bytes that came after the 101 (a refused
+    upgrade raises ConnectionError with its status line)."""
+    return upgrade(port, path, timeout=10)
 
 
 def frame(first: int, payload: bytes, masked: bool = True, length: int | None = None) -> bytes:

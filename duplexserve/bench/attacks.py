@@ -7,8 +7,10 @@ told apart as a trusted proxy names them (``X-Forwarded-For``; the server runs w
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -82,13 +84,14 @@ class ForwardedFlood(Threads):
                 sock.close()
 
 
-def forwarded_ws(port: int, client: str, path: str) -> socket.socket:
-    """A WebSocket on ``path`` upgraded as forwarded ``client``."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+def upgrade(port: int, path: str, headers: str = "", timeout: float = 20) -> tuple[socket.socket, bytes]:
+    """A WebSocket on ``path`` upgraded on a bare socket (``headers``: more header lines, each
+    ending in CRLF); returns the socket and any bytes that came after the 101."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    key = base64.b64encode(os.urandom(16)).decode()
     sock.sendall(
-        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
-        f"X-Forwarded-For: {client}\r\n\r\n".encode()
+        f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n".encode()
     )
     data = b""
     while b"\r\n\r\n" not in data:
@@ -96,8 +99,15 @@ def forwarded_ws(port: int, client: str, path: str) -> socket.socket:
         if not chunk:
             raise ConnectionError("closed during the handshake")
         data += chunk
-    if b" 101 " not in data.split(b"\r\n")[0]:
-        raise ConnectionError(data[:200].decode("latin-1"))
+    head, rest = data.split(b"\r\n\r\n", 1)
+    if b" 101 " not in head.split(b"\r\n")[0]:
+        raise ConnectionError(head[:200].decode("latin-1"))
+    return sock, rest
+
+
+def forwarded_ws(port: int, client: str, path: str) -> socket.socket:
+    """A WebSocket on ``path`` upgraded as forwarded ``client``."""
+    sock, _ = upgrade(port, path, f"X-Forwarded-For: {client}\r\n")
     sock.settimeout(None)
     return sock
 
