@@ -54,6 +54,17 @@ class PromptError(ValueError):
         self.code = code
 
 
+class MoveRefused(ValueError):
+    """A slot's state that cannot be exported or imported, with a stable ``code``:
+    ``move_unsupported`` (this engine keeps no movable state), ``move_not_now`` (the slot is
+    mid-prompt, say: try again later), ``move_mismatch`` (the state comes from another model,
+    shape or version), ``move_corrupt`` (it does not parse)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class Engine(ABC):
     """A model that owns the streaming state of ``num_slots`` sessions."""
 
@@ -119,6 +130,19 @@ class Engine(ABC):
 
         ``frames`` is (len(slots), frame_samples) float32; row i belongs to slots[i].
         """
+
+    def export_slot(self, slot: int) -> bytes:
+        """Everything ``slot``'s session has built in the model, as bytes that ``import_slot``
+        of another replica serving the same model takes (live migration, docs/protocol.md).
+        Called on the engine thread between steps, once every frame submitted for the slot
+        has been stepped; the slot stays open (the caller closes it once the move landed)."""
+        raise MoveRefused("move_unsupported", f"the {self.name} engine cannot export a session")
+
+    def import_slot(self, slot: int, state: bytes) -> None:
+        """Open ``slot`` with a state ``export_slot`` made (instead of ``open``): its next step
+        goes on exactly where the exported session's last one ended. ``MoveRefused`` if the
+        state is not this model's (``move_mismatch``) or does not parse (``move_corrupt``)."""
+        raise MoveRefused("move_unsupported", f"the {self.name} engine cannot import a session")
 
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Runs on the engine thread."""
