@@ -24,6 +24,7 @@ pytest.importorskip("moshi")
 from duplexserve.engine_bridge.engine import MoveRefused
 from duplexserve.engine_bridge.moshi import slot_export
 from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
+from duplexserve.engine_bridge.moshi.toy_tokenizer import TOY_TOKENIZER
 
 CONTEXT = 16  # a ring the tests wrap in a few frames
 FRAMES = 24
@@ -36,6 +37,8 @@ def engine_of(preset: str, checkpoint: Path | None = None, **kwargs: Any) -> Mos
     kwargs = given | kwargs
     if checkpoint is not None:
         kwargs.update(weights=str(checkpoint), voice_dir=str(checkpoint / "voices"))
+    else:  # text out too, as a tiny preset serves it
+        kwargs.setdefault("tokenizer", str(TOY_TOKENIZER))
     engine = MoshiEngine(SLOTS, preset, **kwargs)
     engine.start()
     return engine
@@ -100,6 +103,7 @@ def assert_same_state(engine: MoshiEngine, got: bytes, want: bytes) -> None:
 
 def assert_same(got: list, want: list) -> None:
     assert any(np.abs(audio).max() > 0 for audio, _, _ in want), "the model answered silence only"
+    assert any(text for _, text, _ in want), "the model answered no text"
     for i, ((audio, text, done), (audio0, text0, done0)) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(audio, audio0, err_msg=f"frame {i}")
         assert (text, done) == (text0, done0), f"frame {i}"
@@ -213,3 +217,41 @@ def test_the_state_grows_with_the_frames_used_not_the_ring():
             sizes[i] = len(engine.export_slot(0))
     assert abs(sizes[12] - sizes[2] - 10 * per_frame) < 64  # the header's numbers aside
     assert sizes[2] < ring / 4
+
+
+def test_a_session_moves_between_engine_processes():
+    """``--engine-process``: the bytes and the refusals cross the child's pipe as in-process."""
+    from duplexserve.config import ServerConfig
+    from duplexserve.engine_bridge.process_engine import ProcessEngine
+
+    x, other, k = signal(5, FRAMES), signal(31, FRAMES), CONTEXT + 2
+    want = unmoved(engine_of("tiny"), x, None, None)
+    config = ServerConfig(
+        engine="moshi", engine_process=True, max_sessions=SLOTS, moshi_preset="tiny", moshi_greedy=True,
+        moshi_threads=1, moshi_dtype="float64", moshi_context=CONTEXT,
+    )  # fmt: skip
+    a, b = ProcessEngine(config), ProcessEngine(config)
+    try:
+        a.start()
+        b.start()
+        a.open(0, {})
+        a.open(2, {})
+        got = [answer(a, {0: other, 2: x}, i, 2) for i in range(k)]
+        state = a.export_slot(2)
+        a.close(2)
+        b.open(1, {})
+        answer(b, {1: other}, 0, 1)
+        b.import_slot(0, state)
+        got += [answer(b, {0: x, 1: other}, i, 0) for i in range(k, FRAMES)]
+        for engine, call, code in [
+            (b, lambda: b.import_slot(2, state[:-1]), "move_corrupt"),
+            (a, lambda: a.export_slot(2), "move_not_now"),  # closed: no session there
+        ]:
+            with pytest.raises(MoveRefused) as refused:
+                call()
+            assert refused.value.code == code
+            assert engine.alive()
+    finally:
+        a.stop()
+        b.stop()
+    assert_same(got, want)
