@@ -182,6 +182,7 @@ class MoshiEngine(Engine):
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
         self.memory_in_use = (0, 0)  # bytes: the device's once started (a GPU's), its rings' part
         self._prompts_since_step = [0, 0]  # new (a forward), cached (a copy)
+        self._move_identity: dict[str, Any] | None = None  # what a moved slot's state must match
         self._warming = False  # warm-up's steps compile and capture: slow on purpose, before ready
         #: Where the start went, in order (seconds): the log prints it, ``check`` and the
         #: start-time benchmark read it (docs/moshi-engine.md, "Start-up").
@@ -594,7 +595,7 @@ class MoshiEngine(Engine):
             raise MoveRefused("move_not_now", f"slot {slot}'s prompt has not run yet: move it once it has")
         row = self._row_for_move(slot)
         rings, rows = self._kv_rows(row)
-        capacity = rings[0].kv_cache.cache.shape[3]
+        capacity, _ = slot_export.kv_layout(rings, self.num_slots)
         n = min(int(self.lm_gen.lm_model.transformer._streaming_state.offsets[row]), capacity)
         tensors = slot_export.read_row(self._slots, row, slot_export.ring_tensors(rings))
         tensors.update((f"kv.{i}", t) for i, t in enumerate(slot_export.row_kv(rings, rows, n)))
@@ -626,7 +627,7 @@ class MoshiEngine(Engine):
             raise MoveRefused("move_mismatch", "the slot state forces agent tokens this model cannot")
         rings, rows = self._kv_rows(0)
         kv = [tensors.get(f"kv.{i}") for i in range(sum(k.startswith("kv.") for k in tensors))]
-        if not 0 <= n <= rings[0].kv_cache.cache.shape[3]:
+        if not 0 <= n <= slot_export.kv_layout(rings, self.num_slots)[0]:
             raise MoveRefused("move_mismatch", f"the state holds {n} KV slots, past this model's context")
         slot_export.check_kv(kv, slot_export.row_kv(rings, [0] * len(rows), 0), n)  # type: ignore[arg-type]
         self.open(slot, {})
@@ -650,8 +651,13 @@ class MoshiEngine(Engine):
         dtypes and shapes, and every setting that changes what a row's state holds."""
         import hashlib
 
+        from duplexserve.engine_bridge.moshi.slot_export import kv_layout
+
+        if self._move_identity is not None:
+            return self._move_identity
         lm = self.lm_gen.lm_model
-        ring = lm.transformer.layers[0].self_attn._streaming_state.kv_cache
+        rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
+        ring = rings[0].kv_cache
         source = self.source
         named = source.hf_repo or os.path.basename(source.weights.rstrip("/"))
         model = self.preset.name if self.preset else named
@@ -660,7 +666,7 @@ class MoshiEngine(Engine):
         for module in (lm, self.mimi):
             for param in list(module.parameters())[:4]:
                 probe.update(param.detach().flatten()[:64].double().cpu().numpy().tobytes())
-        return {
+        self._move_identity = {
             "family": self.model_type,
             "model": model,
             "lora": os.path.basename(source.lora),
@@ -668,13 +674,14 @@ class MoshiEngine(Engine):
             "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
             "mimi_dtype": str(next(self.mimi.parameters()).dtype).removeprefix("torch."),
             "kv_dtype": str(ring.cache.dtype).removeprefix("torch."),
-            "context": int(ring.cache.shape[3]),
+            "context": int(kv_layout(rings, self.num_slots)[0]),
             "cfg_coef": self.cfg_coef,
             "delay": int(self.delay_frames),
             "attention": self.attention,
             "depformer": self.depformer,
             "mimi_attention": self.mimi_attention,
         }
+        return self._move_identity
 
     def _row_for_move(self, slot: int) -> int:
         """The slot's row, the full states in use and a reset still due done now."""
@@ -692,8 +699,10 @@ class MoshiEngine(Engine):
         """The LM layers' streaming states (their rings) and the batch rows of ``row``'s
         copies there (two under guidance: conditioned, then unconditioned), of the full states."""
         self._rows.views.use(self.num_slots)
+        from duplexserve.engine_bridge.moshi.slot_export import kv_layout
+
         rings = [layer.self_attn._streaming_state for layer in self.lm_gen.lm_model.transformer.layers]
-        copies = rings[0].kv_cache.cache.shape[1] // self.num_slots
+        _, copies = kv_layout(rings, self.num_slots)
         return rings, [c * self.num_slots + row for c in range(copies)]
 
     # -------------------------------------------------------------------- prompts
@@ -960,6 +969,7 @@ class MoshiEngine(Engine):
             )
         self._prompt_cache.clear()
         self._prefill_runner = None
+        self._move_identity = None
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
         self._reset_rows = None  # type: ignore[assignment]

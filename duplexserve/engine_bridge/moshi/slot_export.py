@@ -5,7 +5,7 @@ What a row holds is slot_state.py's one list: every per-row tensor of Mimi, LMGe
 and the depformer, and the engine's own (PersonaPlex's held user codes), each with every
 copy of the row (two under guidance). The LM's KV rings are the exception: of a ring as
 long as the context only the slots the row has filled, ``min(offset, capacity)``, travel
-(``row_kv`` / ``put_row_kv``, the one place that reads or writes a row's KV), so a young
+(``kv_layout``, ``row_kv``, ``put_row_kv``: the one place that reads or writes a row's KV), so a young
 session's state is small. The engine adds its per-slot bookkeeping as JSON.
 
 The bytes: ``MAGIC``, the SHA-256 of the rest, then safetensors (tensors by name, and a
@@ -36,6 +36,13 @@ from .slot_state import SlotState
 FORMAT_VERSION = 1
 MAGIC = b"DSMOVE\x00\x01"
 DIGEST = 32  # SHA-256
+
+
+def kv_layout(rings: list[Any], slots: int) -> tuple[int, int]:
+    """The LM rings' capacity (slots a row holds) and copies of each row (two under guidance:
+    all the conditioned rows, then all the unconditioned ones), of ``slots`` rows."""
+    cache = rings[0].kv_cache.cache  # [2, copies * slots, heads, capacity, dim]
+    return cache.shape[3], cache.shape[1] // slots
 
 
 def row_kv(rings: list[Any], rows: Iterable[int], n: int) -> list[torch.Tensor]:
