@@ -32,14 +32,14 @@ SLOTS = 3
 PROMPTED = {"text_prompt": "hello duplex", "voice_prompt": "voice.pt"}
 
 
-def engine_of(preset: str, checkpoint: Path | None = None, **kwargs: Any) -> MoshiEngine:
+def engine_of(preset: str, checkpoint: Path | None = None, slots: int = SLOTS, **kwargs: Any) -> MoshiEngine:
     given = {"context": CONTEXT, "sampling": Sampling(greedy=True), "threads": 1, "dtype": "float64"}
     kwargs = given | kwargs
     if checkpoint is not None:
         kwargs.update(weights=str(checkpoint), voice_dir=str(checkpoint / "voices"))
     else:  # text out too, as a tiny preset serves it
         kwargs.setdefault("tokenizer", str(TOY_TOKENIZER))
-    engine = MoshiEngine(SLOTS, preset, **kwargs)
+    engine = MoshiEngine(slots, preset, **kwargs)
     engine.start()
     return engine
 
@@ -118,13 +118,15 @@ def assert_same(got: list, want: list) -> None:
         ("tiny-hibiki", {}, 6, 10),  # its end-of-input frame still to come
         ("tiny-hibiki", {"cfg_coef": 3.0}, 6, 10),  # guidance: each slot's rows twice
         ("tiny-zero", {}, CONTEXT + 2, None),
+        ("tiny-zero", {"slots": SLOTS + 2}, 5, None),  # into an engine of more slots
     ],
 )
 def test_a_moved_session_answers_as_an_unmoved_one(preset, kwargs, k, end):
     x = signal(5, FRAMES)
-    want = unmoved(engine_of(preset, **kwargs), x, None, end)
+    model = {name: value for name, value in kwargs.items() if name != "slots"}  # B's slots aside
+    want = unmoved(engine_of(preset, **model), x, None, end)
     b = engine_of(preset, **kwargs)
-    got, state, again = moved(engine_of(preset, **kwargs), b, x, k, None, end)
+    got, state, again = moved(engine_of(preset, **model), b, x, k, None, end)
     assert_same_state(b, again, state)
     assert_same(got, want)
 

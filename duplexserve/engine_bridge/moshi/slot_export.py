@@ -54,7 +54,8 @@ def row_kv(rings: list[Any], rows: Iterable[int], n: int) -> list[torch.Tensor]:
 
 def put_row_kv(rings: list[Any], rows: Iterable[int], kv: list[torch.Tensor]) -> None:
     """Write ``row_kv``'s tensors back, into batch rows ``rows`` of this engine's rings."""
-    per_row = len(kv) // max(1, len(rows := list(rows)))
+    rows = list(rows)
+    per_row = len(kv) // max(1, len(rows))
     for i, row in enumerate(rows):
         write_ring_prefix(rings, row, kv[i * per_row : (i + 1) * per_row])
 
