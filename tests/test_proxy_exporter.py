@@ -63,14 +63,17 @@ def test_compose_alerts_check_and_unit_tests(tmp_path) -> None:
 
 def metrics_logging(monkeypatch, *ports: int) -> None:
     """The test's nginx sends nginx.conf's metrics log, as shipped, to each of ``ports`` on loopback."""
-    shipped = re.search(r"^\s*access_log syslog:server=lb-exporter:5514,(.*);$", MAIN_CONF.read_text(), re.M)
-    assert shipped, f"{MAIN_CONF}: no access_log syslog:server=lb-exporter:5514,...;"
+    shipped = re.search(r"^\s*access_log syslog:server=([0-9.]+):5514,(.*);$", MAIN_CONF.read_text(), re.M)
+    assert shipped, f"{MAIN_CONF}: no access_log syslog:server=ADDRESS:5514,...;"
+    # The address compose gives lb-exporter.
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]["lb-exporter"]
+    assert compose["networks"]["default"]["ipv4_address"].endswith(f":-{shipped.group(1)}}}")
     harness = test_nginx.nginx_conf
 
     def conf(tmp: Path, *args, **kwargs) -> Path:
         path = harness(tmp, *args, **kwargs)
         text, site = path.read_text(), f"include {tmp}/duplexserve.conf;"
-        lines = "".join(f"\n    access_log syslog:server=127.0.0.1:{p},{shipped.group(1)};" for p in ports)
+        lines = "".join(f"\n    access_log syslog:server=127.0.0.1:{p},{shipped.group(2)};" for p in ports)
         assert text.count(site) == 1
         path.write_text(text.replace(site, site + lines))
         return path
