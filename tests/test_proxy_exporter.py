@@ -28,7 +28,9 @@ import yaml
 
 from tests import test_nginx
 from tests.conftest import free_port
-from tests.test_nginx import NGINX, REPLICA, Live, nginx_in_front, refused_status
+from tests.test_nginx import NGINX, REPLICA, TLS, Live, nginx_in_front, refused_status
+from tests.test_nginx_keys import lb_port
+from tests.test_nginx_tls import self_signed
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -159,13 +161,17 @@ def test_the_proxys_refusals_are_counted_and_alerted_on(server_factory, tmp_path
     copy.bind(("127.0.0.1", 0))
     copy.settimeout(0.2)
     refusals = 12
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    tls = TLS(free_port(), cert, key)
 
-    async def calls(url: str) -> None:
-        # Both replicas full: each call after is turned away by nginx (503). A resume is routed
-        # to the replica its token names, which answers it (resume_failed: no such session).
+    async def calls(wss: str, url: str) -> None:
+        # Both replicas full: each call after is turned away by nginx (503), half of them through
+        # tls.conf's listener, which hands them to the site: counted once, where they were refused.
+        # A resume is routed to the replica its token names, which answers it (resume_failed).
         live = [await Live.open(f"{url}?token={KEY}") for _ in range(2)]
-        for _ in range(refusals):
-            assert await refused_status(f"{url}?token={KEY}&model=m") == 503
+        for index in range(refusals):
+            assert await refused_status(f"{(url, wss)[index % 2]}?token={KEY}&model=m") == 503
         with pytest.raises(AssertionError, match="resume_failed"):
             await Live.open(f"{url}?resume={RESUME}&last_frame=2")
         for session in live:
@@ -174,14 +180,15 @@ def test_the_proxys_refusals_are_counted_and_alerted_on(server_factory, tmp_path
 
     with exporter(tmp_path) as (syslog, metrics):
         metrics_logging(monkeypatch, syslog, copy.getsockname()[1])
-        with prometheus(tmp_path, [a.port, b.port], metrics) as prom, nginx_in_front(tmp_path, a, b) as url:
+        with prometheus(tmp_path, [a.port, b.port], metrics) as prom, \
+                nginx_in_front(tmp_path, a, b, tls=tls) as wss:
             # Prometheus has seen the counters at zero before the first refusal.
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not query(prom, 'duplexserve_proxy_requests_total{job="duplexserve-lb"}'):
                 assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
                 time.sleep(0.2)
             time.sleep(1.5)
-            asyncio.run(calls(url))
+            asyncio.run(calls(wss, f"ws://127.0.0.1:{lb_port(tmp_path)}/v1/duplex"))
             got = wait_for(metrics, {'duplexserve_proxy_requests_total{code="5xx",route="session"}': refusals,
                                      'duplexserve_proxy_requests_total{code="1xx",route="resume"}': 1,
                                      'duplexserve_proxy_requests_total{code="1xx",route="session"}': 2})
@@ -208,3 +215,25 @@ def test_the_proxys_refusals_are_counted_and_alerted_on(server_factory, tmp_path
     assert any(" resume 101 " in line for line in lines), lines
     for line in lines:
         assert KEY not in line and RESUME not in line and "token" not in line, line
+
+
+def test_a_line_counts_the_callers_status_and_each_replica_tried() -> None:
+    """nginx's $upstream_status lists each replica tried (", "), and " : " after an internal
+    redirect (@unavailable); "-" where no replica was tried. A line of another format is
+    counted as unknown, nothing else."""
+    from duplexserve.proxy_exporter.access_log import ProxyCounters
+
+    counters = ProxyCounters()
+    for line in ("<190>Dec  8 00:00:00 duplexserve: duplexserve-proxy/1 session 503 503, 502 : -",
+                 "<190>duplexserve: duplexserve-proxy/1 session 101 503, 101",
+                 "<190>duplexserve: duplexserve-proxy/1 http 404 -",
+                 "<190>duplexserve: GET /v1/duplex?token=x 503"):
+        counters.count(line)
+    value = counters.registry.get_sample_value
+    assert value("duplexserve_proxy_requests_total", {"route": "session", "code": "5xx"}) == 1
+    assert value("duplexserve_proxy_requests_total", {"route": "session", "code": "1xx"}) == 1
+    assert value("duplexserve_proxy_requests_total", {"route": "http", "code": "4xx"}) == 1
+    assert value("duplexserve_proxy_upstream_attempts_total", {"outcome": "refused"}) == 2
+    assert value("duplexserve_proxy_upstream_attempts_total", {"outcome": "failed"}) == 1
+    assert value("duplexserve_proxy_upstream_attempts_total", {"outcome": "answered"}) == 1
+    assert value("duplexserve_proxy_log_lines_total", {"result": "unknown"}) == 1
