@@ -79,7 +79,7 @@ class EndInput:
 
 #: Called on the loop with what a move asked of the engine: the state (export), None
 #: (import done), or a ``MoveRefused``/other exception.
-MoveDone = Callable[[bytes | None | BaseException], None]
+MoveDone = Callable[[bytes | BaseException | None], None]
 
 
 @dataclass(slots=True)
@@ -322,7 +322,7 @@ class EngineBridge:
         assert self._loop is not None
         future: asyncio.Future[bytes | None] = self._loop.create_future()
 
-        def done(outcome: bytes | None | BaseException) -> None:
+        def done(outcome: bytes | BaseException | None) -> None:
             if future.done():
                 return
             if isinstance(outcome, BaseException):
@@ -543,7 +543,7 @@ class EngineBridge:
         with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
             self._loop.call_soon_threadsafe(payload.done, outcome)
 
-    def _answer(self, done: MoveDone, outcome: bytes | None | BaseException) -> None:
+    def _answer(self, done: MoveDone, outcome: bytes | BaseException | None) -> None:
         """Hand a move's outcome to the loop, after the results published so far (both go
         through ``call_soon_threadsafe``, in order)."""
         assert self._loop is not None
