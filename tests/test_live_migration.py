@@ -133,7 +133,8 @@ def test_a_peer_that_dies_mid_move_leaves_the_call_where_it_was(server_factory, 
     """The target's engine hangs (a test fault), so the import never answers; it is then killed.
     The source keeps the session, goes on with it from what the client sent meanwhile, and drains."""
     source, target = replicas(server_factory, monkeypatch, ("MOVER", "--move-timeout-s", "20", *ECHO),
-                              ("--peer-secret", SECRET, "--synthetic-faults", "--engine-stall-s", "120", *ECHO))
+                              ("--peer-secret", SECRET, "--synthetic-faults", "--engine-stall-s", "120",
+                               *ECHO))
 
     async def main() -> ResumingClient:
         hang = np.zeros(1920, np.float32)
@@ -145,12 +146,7 @@ def test_a_peer_that_dies_mid_move_leaves_the_call_where_it_was(server_factory, 
         task = asyncio.create_task(call(0, source.ws(), target.ws(), streaming, [0, 1]))
         await asyncio.wait_for(streaming.wait(), 30)
         source.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        while "moved here" not in target.log() and "session" not in source.log().split("drain")[-1]:
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # the source waits on the import
+        await asyncio.sleep(1.5)  # the source has sent the session and waits on the import
         target.proc.kill()  # dies mid-move
         client = await asyncio.wait_for(task, 60)
         stuck.transport.abort()
@@ -161,7 +157,7 @@ def test_a_peer_that_dies_mid_move_leaves_the_call_where_it_was(server_factory, 
     check_exact(client, 0)
     assert client.moved == [] and client.resumed == []  # never told to move: it stayed
     log = source.log()
-    assert "could not move to" in log and ("(unreachable)" in log or "(timeout)" in log), log[-3000:]
+    assert "could not move to" in log and "(unreachable)" in log, log[-3000:]  # not the timeout
     assert "drain: moved 0 of 1 sessions" in log
 
 
@@ -190,7 +186,7 @@ def test_a_forged_or_replayed_import_is_refused(server_factory) -> None:
 
 def test_sessions_that_cannot_move_drain_as_before_and_are_counted(server_factory, monkeypatch) -> None:
     source, target = replicas(server_factory, monkeypatch, ("MOVER", *ECHO, "--drain-grace-s", "30"),
-                              ("--peer-secret", SECRET, *ECHO, "--max-sessions", "1"))  # no room with one call
+                              ("--peer-secret", SECRET, *ECHO, "--max-sessions", "1"))  # one call fills it
 
     async def main() -> tuple[ResumingClient, dict[str, Any]]:
         busy = await websockets.connect(target.ws())  # the peer's only slot

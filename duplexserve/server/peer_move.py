@@ -220,7 +220,7 @@ class PeerMover:
             return
         started = time.monotonic()
         orch.draining = True  # admit nothing more; peers see it on /ready
-        movers, before = [], dict(self.counts.unmovable)
+        movers, before, total = [], dict(self.counts.unmovable), orch.active
         for entry in orch.resume.entries():
             owner = entry.owner
             reason = "detached" if owner is None else (owner.unmovable() if hasattr(owner, "unmovable")
@@ -257,7 +257,7 @@ class PeerMover:
                      if v > before.get(k, 0)}
         log.info(
             "drain: moved %d of %d sessions to %s in %.2f s (%d bytes); failed %d; not moved: %s",
-            self.counts.moved - moved_before, len(movers) + sum(not_moved.values()), ",".join(self.peers),
+            self.counts.moved - moved_before, total, ",".join(self.peers),
             self.counts.drain_s, self.counts.bytes_out - bytes_before,
             sum(self.counts.failed.values()) - failed_before, not_moved or "none",
         )
