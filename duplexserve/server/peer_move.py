@@ -73,6 +73,20 @@ def signed_headers(secret: str, sender: str, body: bytes, now: float | None = No
             SIGNATURE_HEADER: sign(secret, stamp, nonce, sender, body)}
 
 
+def peer_names(peers: str, replica_id: str) -> list[str]:
+    """The replicas of ``--peers``, this one left out; ``ordinals:N`` names a StatefulSet's pods
+    NAME-0 to NAME-(N-1), NAME this replica's id without its ordinal (those not running answer
+    no room)."""
+    names: list[str] = []
+    for entry in filter(None, (p.strip() for p in peers.split(","))):
+        if entry.startswith("ordinals:"):
+            base = replica_id.rpartition("-")[0] or replica_id
+            names += [f"{base}-{i}" for i in range(int(entry.partition(":")[2]))]
+        else:
+            names.append(entry)
+    return [n for n in dict.fromkeys(names) if n != replica_id]
+
+
 async def http_request(base: str, method: str, path: str, body: bytes = b"",
                        headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """One HTTP/1.1 request to a peer (``base``: ``ws://host:port`` or ``http://...``), its
@@ -124,8 +138,10 @@ class PeerMover:
         self.config = config
         self.orch = orch
         self.codec_procs = codec_procs
-        names = (p.strip() for p in config.peers.split(","))
-        self.peers = [p for p in names if p and p != config.replica_id]
+        self.peers = peer_names(config.peers, config.replica_id)
+        if self.peers and not (config.peer_url_template and config.peer_secret):
+            log.warning("--peers without --peer-url-template and --peer-secret: sessions drain in place")
+            self.peers = []
         self.counts = MoveCounts()
         self._nonces: dict[str, float] = {}
 
