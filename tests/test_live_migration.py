@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,10 +26,11 @@ import websockets
 
 from duplexserve.server.core import move
 from duplexserve.server.peer_move import MOVE_PATH, signed_headers
-from tests import conftest
+from tests import conftest, test_nginx
 from tests.conftest import free_port
 from tests.resume_client import ResumingClient
-from tests.test_resume_forward import SECRET, TEMPLATE
+from tests.test_nginx import NGINX, REPLICA, nginx_in_front
+from tests.test_resume_forward import SECRET, TEMPLATE, round_robin_site
 
 DELAY = 2
 TEXT_EVERY = 3
@@ -209,6 +214,30 @@ def test_sessions_that_cannot_move_drain_as_before_and_are_counted(server_factor
     log = source.log()
     assert "drain: moved 0 of 2 sessions" in log, log[-3000:]
     assert "'detached': 1" in log and "'no_peer_room': 1" in log, log[-3000:]
+
+
+@pytest.mark.skipif(not Path(NGINX).exists(), reason=f"nginx not installed at {NGINX}")
+def test_the_loadgen_follows_moves_through_a_proxy(server_factory, tmp_path, monkeypatch) -> None:
+    """`duplexserve loadgen --follow-moves` through a round-robin nginx: one replica drains mid-run,
+    its calls move, and each resumes at the same URL (nginx; the draining replica answers a resume
+    503, so nginx tries the other): the guards see every frame once, the echo as expected."""
+    flags = (*ECHO, *REPLICA, "--max-sessions", "16")
+    drained, other = replicas(server_factory, monkeypatch, ("MOVER", *flags), ("MOVER", *flags))
+    monkeypatch.setattr("tests.test_nginx_resume.REPLICAS", 2)
+    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", round_robin_site(tmp_path / "site.conf"))
+    with nginx_in_front(tmp_path, drained, other) as url:
+        load = subprocess.Popen(
+            [sys.executable, "-m", "duplexserve", "loadgen", url.rsplit("/v1", 1)[0], "--concurrency", "8",
+             "--sessions", "8", "--warmup", "0", "--seconds", "4", "--expect", "echo", "--delay-frames",
+             str(DELAY), "--follow-moves", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        time.sleep(2.5)
+        drained.proc.send_signal(signal.SIGTERM)
+        out, _ = load.communicate(timeout=120)
+    assert load.returncode == 0, out
+    assert drained.proc.wait(30) == 0
+    found = re.search(r"drain: moved (\d+) of (\d+) sessions", drained.log())
+    assert found and found[1] == found[2] and int(found[1]) >= 1, drained.log()[-3000:]
 
 
 @pytest.mark.parametrize("field", ["frames_in", "state"])

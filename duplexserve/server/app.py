@@ -237,6 +237,9 @@ class DuplexApp:
             return False
         if (await receive())["type"] != "websocket.connect":
             return True
+        if name is not None and self.orchestrator.draining:  # leaving: a proxy tries another replica
+            await adapter.refuse(errors.TRY_AGAIN, "server_unavailable", "draining: it relays no resume")
+            return True
         if name is not None:
             config = self.config
             if not auth.origin_allowed(scope, auth.parse_list(config.allowed_origins)) or not auth.key_ok(
