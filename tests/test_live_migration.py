@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import websockets
 
+from duplexserve.engine_bridge.synthetic import SyntheticEngine
 from duplexserve.server.core import move
 from duplexserve.server.peer_move import MOVE_PATH, signed_headers
 from tests import conftest, test_nginx
@@ -214,6 +215,55 @@ def test_sessions_that_cannot_move_drain_as_before_and_are_counted(server_factor
     log = source.log()
     assert "drain: moved 0 of 2 sessions" in log, log[-3000:]
     assert "'detached': 1" in log and "'no_peer_room': 1" in log, log[-3000:]
+
+
+def moved_session(frames_in: int) -> bytes:
+    """A duplex/1 session of the default echo as a source would send it: ``frames_in`` frames
+    answered, none of them kept for a replay."""
+    engine = SyntheticEngine(1, delay_frames=DELAY, text_every=TEXT_EVERY)
+    engine.open(0, {})
+    engine.frame_index[0] = frames_in
+    pcm = {"format": "pcm_f32le", "sample_rate": 24000}
+    header = {"session_id": "moved-by-hand", "state": "streaming", "frames_in": frames_in,
+              "frames_out": frames_in, "age_s": 1.0, "timed": None, "protocol": "duplex/1",
+              "model": "synthetic-echo", "engine": "synthetic", "input": pcm, "output": pcm,
+              "prompted": False, "applied": None,
+              "replay": {"first": frames_in, "next": frames_in, "frame_bytes": 1920 * 4}, "texts": []}
+    return move.pack(header, {"engine": engine.export_slot(0), "replay": b""})
+
+
+def test_an_import_nobody_resumes_expires_and_one_resumed_goes_on(server_factory) -> None:
+    """The target's half of the two phases: an imported session waits detached for its grace,
+    then ends (resume_expired); one resumed in time goes on from its frames_in."""
+    target = server_factory("--replica-id", "b", "--peer-secret", SECRET, *ECHO, "--resume-grace-s", "1")
+    url = target.http + MOVE_PATH
+    body = moved_session(5)
+    lost = httpx.post(url, content=body, headers=signed_headers(SECRET, "a", body)).json()
+    body = moved_session(5)
+    kept = httpx.post(url, content=body, headers=signed_headers(SECRET, "a", body)).json()
+    assert lost["token"].startswith("b.") and kept["token"].startswith("b.")
+    assert httpx.get(target.http + "/ready").json()["sessions"] == 2
+
+    async def main() -> tuple[dict[str, Any], list[bytes]]:
+        client = ResumingClient(target.ws(), [frame(3, i) for i in range(8)])
+        client.frames = [b""] * 5  # it heard frames 0-4 on the source
+        first = await client.resume(token=kept["token"])
+        await client.send(8)
+        await client.finish()
+        return first, client.frames[5:]
+
+    first, heard = asyncio.run(main())
+    assert first["type"] == "session.resumed" and first["frames_in"] == 5 and first["replayed"] == 0
+    # The echo goes on from the moved state: first its history (frames 3 and 4 of the source, silence
+    # in this hand-made state), then frames 5 on.
+    assert heard[2:] == [frame(3, i) for i in range(5, 8)]
+    assert len(heard) == 3 + DELAY
+    deadline = time.monotonic() + 10
+    while httpx.get(target.http + "/ready").json()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    metrics = target.metrics()
+    assert metrics['duplexserve_session_resumes_total{outcome="expired"}'] == 1
+    assert metrics['duplexserve_session_imports_total{outcome="imported",reason=""}'] == 2
 
 
 @pytest.mark.skipif(not Path(NGINX).exists(), reason=f"nginx not installed at {NGINX}")
