@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import websockets
 
+from duplexserve.engine_bridge.engine import MoveRefused
 from duplexserve.engine_bridge.synthetic import SyntheticEngine
 from duplexserve.server.core import move
 from duplexserve.server.peer_move import MOVE_PATH, signed_headers
@@ -290,11 +291,14 @@ def test_the_loadgen_follows_moves_through_a_proxy(server_factory, tmp_path, mon
     assert found and found[1] == found[2] and int(found[1]) >= 1, drained.log()[-3000:]
 
 
-@pytest.mark.parametrize("field", ["frames_in", "state"])
-def test_a_moved_session_header_that_does_not_fit_is_refused(field: str) -> None:
-    header = {"session_id": "s", "state": "streaming", "frames_in": 3, "frames_out": 3, "age_s": 1.0}
-    header[field] = "junk"
-    body = move.pack(header, {"engine": b""})
-    parsed, blobs = move.unpack(body)
-    assert parsed[field] == "junk" and blobs == {"engine": b""}
-    assert json.loads(body[4 : 4 + int.from_bytes(body[:4], "little")])["version"] == move.VERSION
+def test_a_moved_session_that_does_not_parse_is_refused() -> None:
+    body = moved_session(3)
+    header, blobs = move.unpack(body)
+    assert header["frames_in"] == 3 and set(blobs) == {"engine", "replay"}
+    size = int.from_bytes(body[:4], "little")
+    other_version = json.loads(body[4 : 4 + size]) | {"version": 99}
+    head = json.dumps(other_version).encode()
+    for bad in (body[:-1], body + b"x", b"\xff\xff\xff\x7f", len(head).to_bytes(4, "little") + head):
+        with pytest.raises(MoveRefused) as refused:
+            move.unpack(bad)
+        assert refused.value.code == "move_corrupt"
