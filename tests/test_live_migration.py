@@ -302,3 +302,32 @@ def test_a_moved_session_that_does_not_parse_is_refused() -> None:
         with pytest.raises(MoveRefused) as refused:
             move.unpack(bad)
         assert refused.value.code == "move_corrupt"
+
+
+def test_the_move_metrics_say_what_moved_failed_and_could_not(monkeypatch) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from duplexserve.config import ServerConfig
+    from duplexserve.server.peer_move import PeerMoveCollector, PeerMover, peer_names
+
+    mover = PeerMover(ServerConfig(), None, None)  # type: ignore[arg-type]
+    counts = mover.counts
+    counts.moved, counts.bytes_out, counts.drain_s = 3, 900, 1.5
+    counts.failed["unreachable"] += 1
+    counts.unmovable["detached"] += 2
+    counts.refused["replayed"] += 1
+    for pause in (0.02, 0.15, 0.3):
+        counts.pause(pause)
+    registry = CollectorRegistry()
+    registry.register(PeerMoveCollector(mover))
+    text = generate_latest(registry).decode()
+    for line in ('duplexserve_session_moves_total{outcome="moved",reason=""} 3.0',
+                 'duplexserve_session_moves_total{outcome="failed",reason="unreachable"} 1.0',
+                 'duplexserve_session_moves_total{outcome="unmovable",reason="detached"} 2.0',
+                 'duplexserve_session_imports_total{outcome="refused",reason="replayed"} 1.0',
+                 'duplexserve_session_move_bytes_total{direction="out"} 900.0',
+                 'duplexserve_session_move_pause_seconds_bucket{le="0.2"} 2.0',
+                 'duplexserve_session_move_pause_seconds_count 3.0',
+                 "duplexserve_drain_move_seconds 1.5"):
+        assert line in text, (line, text)
+    assert peer_names("ordinals:3,x", "duplexserve-1") == ["duplexserve-0", "duplexserve-2", "x"]
