@@ -272,7 +272,7 @@ def test_the_loadgen_follows_moves_through_a_proxy(server_factory, tmp_path, mon
     """`duplexserve loadgen --follow-moves` through a round-robin nginx: one replica drains mid-run,
     its calls move, and each resumes at the same URL (nginx; the draining replica answers a resume
     503, so nginx tries the other): the guards see every frame once, the echo as expected."""
-    flags = (*ECHO, *REPLICA, "--max-sessions", "16")
+    flags = (*ECHO, *REPLICA, "--max-sessions", "16", "--max-detached", "16")
     drained, other = replicas(server_factory, monkeypatch, ("MOVER", *flags), ("MOVER", *flags))
     monkeypatch.setattr("tests.test_nginx_resume.REPLICAS", 2)
     monkeypatch.setattr(test_nginx, "SHIPPED_CONF", round_robin_site(tmp_path / "site.conf"))

@@ -91,6 +91,8 @@ async def adopt(orch: Orchestrator, header: dict[str, Any], engine_state: bytes)
         raise MoveRefused("draining", "this replica takes no session now")
     if not orch._free:
         raise MoveRefused("no_room", "no free slot")
+    if orch.resume.detached >= orch.max_detached:  # never evict a session waiting here for one
+        raise MoveRefused("no_room", "as many sessions wait for a resume as --max-detached allows")
     if not orch.resume.enabled:
         raise MoveRefused("no_resume", "this replica keeps no session for a resume (--resume-grace-s 0)")
     try:
