@@ -291,6 +291,7 @@ class PeerMover:
                 if loop.time() > deadline:
                     raise TimeoutError
                 await asyncio.sleep(0.002)
+            taken = session.frames_in
             state = await asyncio.wait_for(orch.bridge.export(session.slot, session.generation),
                                            max(0.1, deadline - loop.time()))
             flush_by = loop.time() + FLUSH_WAIT_S
@@ -298,6 +299,8 @@ class PeerMover:
                 if loop.time() > flush_by:
                     raise MoveRefused("slow_consumer", "its answers were not taken in time")
                 await asyncio.sleep(0.002)
+            if session.frames_in != taken or session.frames_waiting:  # a codec worker's late answer
+                raise MoveRefused("busy", "input came after the export: it goes on here")
             reason = conn.unmovable()
             if reason is None:
                 header, replay = conn.move_state()
