@@ -131,6 +131,7 @@ def test_a_drain_moves_every_call_and_each_goes_on_exactly(server_factory, monke
     assert metrics['duplexserve_session_resumes_total{outcome="resumed"}'] == calls
     log = source.log()
     assert f"drain: moved {calls} of {calls} sessions" in log, log[-3000:]
+    assert "draining 0 sessions" in log  # nothing left to wait for: it exits at once
     assert "Traceback" not in log and "Traceback" not in target.log()
 
 
