@@ -103,7 +103,8 @@ def check_exact(client: ResumingClient, seed: int) -> None:
 
 def test_a_drain_moves_every_call_and_each_goes_on_exactly(server_factory, monkeypatch) -> None:
     calls = 64
-    source, target = replicas(server_factory, monkeypatch, ("MOVER", *ECHO, "--max-sessions", "70"),
+    source, target = replicas(server_factory, monkeypatch,  # a loaded machine's moves take their time
+                              ("MOVER", "--move-timeout-s", "30", *ECHO, "--max-sessions", "70"),
                               ("--peer-secret", SECRET, *ECHO, "--max-sessions", "70"))
 
     async def main() -> list[ResumingClient]:
@@ -152,7 +153,11 @@ def test_a_peer_that_dies_mid_move_leaves_the_call_where_it_was(server_factory, 
         task = asyncio.create_task(call(0, source.ws(), target.ws(), streaming, [0, 1]))
         await asyncio.wait_for(streaming.wait(), 30)
         source.proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(1.5)  # the source has sent the session and waits on the import
+        async def moving() -> None:  # until the source waits on the import
+            while "a session moves here" not in target.log():
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(moving(), 30)
         target.proc.kill()  # dies mid-move
         client = await asyncio.wait_for(task, 60)
         stuck.transport.abort()

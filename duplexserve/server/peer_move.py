@@ -56,8 +56,6 @@ MAX_SKEW_S = 30.0
 MAX_MOVE_BYTES = 256 << 20
 #: Sessions moving at once: each holds its client's input while it moves.
 CONCURRENCY = 16
-#: How long a session may take to hand its last answers to its socket before the move gives up.
-FLUSH_WAIT_S = 2.0
 PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -186,6 +184,7 @@ class PeerMover:
         if reason is not None:
             return self._refuse(403, reason, "a move must be signed with this fleet's --peer-secret, once")
         orch, config = self.orch, self.config
+        log.info("a session moves here from %s (%d bytes)", request.headers.get(FROM_HEADER), len(body))
         try:
             header, blobs = move.unpack(body)
             if header.get("protocol") != PROTOCOL:
@@ -203,8 +202,6 @@ class PeerMover:
         orch.resume.detach(entry, orch._loop)  # nobody's resume: it expires with its grace
         self.counts.imported += 1
         self.counts.bytes_in += len(body)
-        log.info("session %s moved here from %s (%d bytes)", session.id,
-                 request.headers.get(FROM_HEADER), len(body))
         return Response(json.dumps({"token": entry.token, "grace_s": orch.resume.grace_s}),
                         media_type="application/json")
 
@@ -233,6 +230,10 @@ class PeerMover:
         """Move every session that can move; the rest drain as before (server/run.py), counted."""
         orch = self.orch
         if not self.peers:
+            return
+        if not hasattr(orch.bridge, "export"):  # an engine with a bridge of its own (vllm-omni)
+            self.counts.unmovable["move_unsupported"] += orch.active
+            log.info("drain: the %s engine's sessions cannot move; they drain in place", orch.engine.name)
             return
         started = time.monotonic()
         orch.draining = True  # admit nothing more; peers see it on /ready
@@ -294,9 +295,8 @@ class PeerMover:
             taken = session.frames_in
             state = await asyncio.wait_for(orch.bridge.export(session.slot, session.generation),
                                            max(0.1, deadline - loop.time()))
-            flush_by = loop.time() + FLUSH_WAIT_S
             while session.has_outgoing and not session.closed:  # the answers handed to the socket
-                if loop.time() > flush_by:
+                if loop.time() > deadline:
                     raise MoveRefused("slow_consumer", "its answers were not taken in time")
                 await asyncio.sleep(0.002)
             if session.frames_in != taken or session.frames_waiting:  # a codec worker's late answer
@@ -318,6 +318,9 @@ class PeerMover:
             reason = "timeout"
         except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
             reason = "unreachable"
+        except Exception:  # a bug: this session stays here, the drain goes on
+            log.exception("session %s: its move failed", session.id)
+            reason = "internal_error"
         if reason is None and (session.closed or session.detached):
             reason = "closed"  # the client left meanwhile: the target's copy expires unclaimed
         if reason is not None:
