@@ -446,6 +446,17 @@ class ServerConfig:
         "", "the secret replicas send each other on a forwarded resume (the same on every replica); a "
         "forwarded resume without it is refused, and none is forwarded while it is empty",
     )
+    peers: str = _opt(
+        "", "duplex/1 live migration: comma-separated --replica-id names of the peers that take this "
+        "replica's sessions when it drains (the compose services; the StatefulSet's pod names on "
+        "Kubernetes, or ordinals:N for NAME-0 to NAME-(N-1), NAME being this replica's id without its "
+        "ordinal), reached by --peer-url-template and authenticated by --peer-secret (moves are off "
+        "without both); empty: sessions drain in place (docs/protocol.md, \"Moved to another replica\")",
+    )
+    move_timeout_s: float = _opt(
+        5.0, "live migration: a session's move to a peer that has not answered in this long fails, "
+        "and the session goes on here",
+    )
     refuse_with_http_503: bool = _opt(
         False,
         "when full or draining, answer the WebSocket upgrade with HTTP 503 instead of accepting and "
@@ -633,6 +644,10 @@ class ServerConfig:
             raise ValueError("engine_tick_ms is a period in ms (0: step at once)")
         if not re.fullmatch(r"[A-Za-z0-9-]*", self.replica_id):
             raise ValueError(f"--replica-id {self.replica_id!r}: letters, digits and '-' only")
+        for peer in filter(None, (p.strip() for p in self.peers.split(","))):
+            if not re.fullmatch(r"[A-Za-z0-9-]+|ordinals:[0-9]+", peer):
+                raise ValueError(f"--peers: {peer!r} is no replica name (letters, digits and '-') "
+                                 "nor ordinals:N")
         if self.peer_url_template and "{replica}" not in self.peer_url_template:
             raise ValueError(f"--peer-url-template {self.peer_url_template!r}: no {{replica}} in it")
         if self.resume_grace_s < 0 or self.late_frame_ms <= 0:

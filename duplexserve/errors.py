@@ -9,6 +9,7 @@ INVALID_PAYLOAD = 1007  # invalid JSON or event shape
 POLICY = 1008  # authentication or policy
 TOO_BIG = 1009
 INTERNAL = 1011  # engine failure
+SERVICE_RESTART = 1012  # the session moved to another replica: resume there (session.moved)
 TRY_AGAIN = 1013  # server full or draining
 
 

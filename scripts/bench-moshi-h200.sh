@@ -27,6 +27,10 @@
 #                           N sessions at once, then by sessions joining and leaving one at a time
 #                           so the batch walks every bucket size up and down, never idle (bench
 #                           moshi-first-traffic): late frames, steps over 200 ms, start to ready
+#   migrate-MODEL-N         live migration (issue 76): two replicas sharing the GPU, N paced calls on
+#                           the first moved to the second on its drain (bench migrate): the pause
+#                           its clients heard (p50/p99/max), drain to exit; goal p99 <= 200 ms,
+#                           300 calls drained in under 30 s
 #   breakdown | attention | agreement | mimi | ring | moves
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
 #                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention,
@@ -103,6 +107,16 @@ for spec in "$@"; do
       [ -f "$OUT/one.json" ] && { python3 -c "import json,sys
 for line in open(sys.argv[1]): print(json.dumps({'phase': sys.argv[2], **json.loads(line)}))" "$OUT/one.json" "$spec" >>"$OUT/first.jsonl"; rm "$OUT/one.json"; }
       { echo "=== $spec"; grep -v "connection open\|connection closed\|WebSocket /v1" "$OUT/server.log.tmp" | grep "moshi engine\|ms step\|Traceback\|Error" | tail -60; } >>"$OUT/server-logs.txt"
+      rm -f "$OUT/server.log.tmp" ;;
+    migrate-*)
+      IFS=- read -r -a parts <<<"$phase"
+      preset=$(preset_of "${parts[1]}") || { echo "unknown model ${parts[1]}"; continue; }
+      python3 -m duplexserve bench migrate --engine moshi --preset "$preset" --calls "${parts[2]}" \
+        --before-s 10 --after-s 10 --server-args "${MIGRATE_SERVER_ARGS:-}" \
+        --server-log "$OUT/server.log.tmp" --out "$OUT/one.json"
+      [ -f "$OUT/one.json" ] && { python3 -c "import json,sys
+for line in open(sys.argv[1]): print(json.dumps({'phase': sys.argv[2], **json.loads(line)}))" "$OUT/one.json" "$spec" >>"$OUT/migrate.jsonl"; rm "$OUT/one.json"; }
+      { echo "=== $spec"; grep "drain\|move\|Traceback\|Error" "$OUT/server.log.tmp" | tail -40; } >>"$OUT/server-logs.txt"
       rm -f "$OUT/server.log.tmp" ;;
     rtf-*)
       IFS=- read -r -a parts <<<"$phase"

@@ -81,6 +81,9 @@ def compose_override(
             services[replica_name(index)] = replica(index, gpu, cpu)
         if models:
             services[replica_name(index)]["environment"].update(models[index].env)
+        # Live migration on drain: every replica is a peer of the others (it leaves itself out).
+        services[replica_name(index)]["environment"]["DUPLEXSERVE_PEERS"] = ",".join(
+            replica_name(i) for i in range(len(gpus)))
     services["lb"] = {
         # Relative to docker/, where compose resolves the paths of every file: no host path in it.
         "volumes": [f"./{os.path.relpath(site.resolve(), DOCKER)}:/etc/nginx/conf.d/default.conf:ro"],

@@ -27,6 +27,7 @@ class ResumingClient:
     texts: list[int] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     resumed: list[dict[str, Any]] = field(default_factory=list)
+    moved: list[dict[str, Any]] = field(default_factory=list)  # session.moved events (then 1012)
     created: dict[str, Any] | None = None
     close_code: int | None = None
     sent_frames: int = 0  # input frames sent so far (on any connection)
@@ -62,6 +63,8 @@ class ResumingClient:
                     self.events.append(event)
                     if event["type"] == "text.delta":
                         self.texts.append(event["frame"])
+                    elif event["type"] == "session.moved":
+                        self.moved.append(event)
 
     async def send(self, upto_frames: int, gap: float = 0.0) -> None:
         """Send input messages until ``upto_frames`` input frames went out."""
@@ -84,6 +87,13 @@ class ResumingClient:
         self._ws.transport.abort()
         if self._reader is not None:
             self._reader.cancel()
+
+    async def follow(self, base_url: str | None = None) -> dict[str, Any]:
+        """After ``session.moved`` and its close 1012: resume with the token it gave, at
+        ``base_url`` (the fleet's address; by default the same one), from the last frame received."""
+        if base_url is not None:
+            self.base_url = base_url
+        return await self.resume(token=self.moved[-1]["resume"]["token"])
 
     async def resume(self, last_frame: int | None = None, token: str | None = None) -> dict[str, Any]:
         """Resume; returns the server's first event (``session.resumed`` or an error)."""

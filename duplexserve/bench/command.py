@@ -73,6 +73,9 @@ BENCHMARKS = {
         "turnaround_cost", "the per-frame CPU of the deadline and replay bookkeeping"
     ),
     "soak": Benchmark("soak", "sessions come and go for a set time; leaks and losses counted"),
+    "migrate": Benchmark(
+        "migrate", "live migration: calls on a draining replica move to its peer; pause heard, drain to exit"
+    ),
     "webrtc-cost": Benchmark(
         "webrtc_cost", "WebRTC calls against the WebSocket Opus path: server CPU a frame, real time held"
     ),

@@ -89,6 +89,10 @@ class SlotBatcher:
         self._pushed[slot] = 0
         self._received[slot] = math.nan
 
+    def held(self, slot: int) -> int:
+        """Frames of ``slot`` waiting for a step."""
+        return int(self._count[slot])
+
     def push(self, slot: int, generation: int, frame: np.ndarray, now: float = 0.0) -> bool:
         """Queue a frame received at ``now``; False when the slot's window is full.
 
@@ -269,6 +273,10 @@ class FifoBatcher:
         fifo.clear()
         self._ready.pop(slot, None)
         self._generation[slot] = -1
+
+    def held(self, slot: int) -> int:
+        """Frames of ``slot`` waiting for a step."""
+        return len(self._fifo[slot])
 
     def push(self, slot: int, generation: int, frame: np.ndarray, now: float = 0.0) -> bool:
         """As :meth:`SlotBatcher.push` (``now`` unused)."""

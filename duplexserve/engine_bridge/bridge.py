@@ -46,7 +46,7 @@ import janus
 import numpy as np
 
 from duplexserve.engine_bridge.batcher import FifoBatcher, Gather, SlotBatcher, StepClock
-from duplexserve.engine_bridge.engine import Engine, PromptError
+from duplexserve.engine_bridge.engine import Engine, MoveRefused, PromptError
 from duplexserve.engine_bridge.overflow import OrderedPutter
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,26 @@ class Close:
 @dataclass(slots=True)
 class EndInput:
     frames: int  # input frames of the session; the tail starts at this index
+
+
+#: Called on the loop with what a move asked of the engine: the state (export), None
+#: (import done), or a ``MoveRefused``/other exception.
+MoveDone = Callable[[bytes | BaseException | None], None]
+
+
+@dataclass(slots=True)
+class Export:
+    """Export the slot's state once every frame submitted before it was stepped."""
+
+    done: MoveDone
+
+
+@dataclass(slots=True)
+class Import:
+    """Open the slot with an exported state (``Engine.import_slot``) instead of ``open``."""
+
+    state: bytes
+    done: MoveDone
 
 
 _CLOSE = Close()
@@ -183,6 +203,7 @@ class EngineBridge:
         self._wake_pending = False
         self._open: dict[int, int] = {}  # open slot: its generation (all end if the engine does)
         self._prompts: collections.deque[tuple[int, int, Prompt]] = collections.deque()  # to run
+        self._exports: list[tuple[int, int, Export]] = []  # waiting for their slot's frames to be stepped
         self.running = False  # False while starting, restarting or stopped: /ready says 503
         self.abandoned = False  # set when a stalled engine is replaced: its thread exits
         self.step_started = 0.0  # monotonic start of the step in progress, 0 when idle
@@ -285,6 +306,33 @@ class EngineBridge:
     def end_input(self, slot: int, generation: int, frames: int) -> None:
         self.submit((slot, generation, EndInput(frames)))
 
+    async def export(self, slot: int, generation: int) -> bytes:
+        """The slot's engine state (``Engine.export_slot``), taken on the engine thread between
+        steps once every frame submitted for it before this call was stepped; the answers to
+        those frames reach the session (``on_outputs``) before this returns. The slot stays open.
+        ``MoveRefused`` if the engine cannot, or the session ended meanwhile (``move_gone``)."""
+        return await self._move(slot, generation, Export)  # type: ignore[return-value]
+
+    async def import_(self, slot: int, generation: int, state: bytes) -> None:
+        """Open ``slot`` for a session moved here, with the state another replica's export
+        made (instead of :meth:`open`); ``MoveRefused`` if the engine takes none or not this one."""
+        await self._move(slot, generation, Import, state)
+
+    async def _move(self, slot: int, generation: int, kind: Any, *args: Any) -> bytes | None:
+        assert self._loop is not None
+        future: asyncio.Future[bytes | None] = self._loop.create_future()
+
+        def done(outcome: bytes | BaseException | None) -> None:
+            if future.done():
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        self.submit((slot, generation, kind(*args, done)))
+        return await future
+
     async def submit_offloaded(self, item: tuple[int, int, Any]) -> None:
         """The per-frame thread hop of vLLM-Omni's frontend, kept only to measure against."""
         assert self._queue is not None and self._loop is not None
@@ -334,7 +382,7 @@ class EngineBridge:
         coalesce_s = 0.0 if clock else self.coalesce_s
         try:
             while True:
-                if not batcher.pending and not self._prompts:  # idle: block for work, let a batch gather
+                if not batcher.pending and not self._prompts and not self._exports:  # idle: block for work
                     warm = self._cold and not self._open  # start-up work left, and no frame to delay
                     try:
                         entry = sync_q.get_nowait() if warm else sync_q.get(timeout=_ALIVE_CHECK_S)
@@ -357,6 +405,8 @@ class EngineBridge:
                         return
                 if self._prompts:
                     self._run_prompts()
+                if self._exports:
+                    self._run_exports()
                 if not batcher.pending:
                     continue
                 if clock is not None:
@@ -436,6 +486,10 @@ class EngineBridge:
                     self._fail_slot(slot, generation, "engine_error")
         elif payload.__class__ is Prompt:
             self._prompts.append((slot, generation, payload))
+        elif payload.__class__ is Export:
+            self._exports.append((slot, generation, payload))
+        elif payload.__class__ is Import:
+            self._import(slot, generation, payload)
         elif payload.__class__ is EndInput:
             if self._open.get(slot) == generation:
                 self.engine.end_input(slot, payload.frames)
@@ -488,6 +542,45 @@ class EngineBridge:
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
             self._loop.call_soon_threadsafe(payload.done, outcome)
+
+    def _answer(self, done: MoveDone, outcome: bytes | BaseException | None) -> None:
+        """Hand a move's outcome to the loop, after the results published so far (both go
+        through ``call_soon_threadsafe``, in order)."""
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(done, outcome)
+
+    def _run_exports(self) -> None:
+        """Export the slots none of whose frames still wait for a step; the others wait."""
+        waiting = []
+        for slot, generation, payload in self._exports:
+            if self._open.get(slot) != generation:
+                self._answer(payload.done, MoveRefused("move_gone", "the session ended before its export"))
+            elif self._batcher.held(slot):
+                waiting.append((slot, generation, payload))
+            else:
+                try:
+                    state: bytes | BaseException = self.engine.export_slot(slot)
+                except Exception as exc:  # MoveRefused, or a failure: the session stays here
+                    if not isinstance(exc, MoveRefused):
+                        log.exception("engine.export_slot failed for slot %d", slot)
+                    state = exc
+                self._answer(payload.done, state)
+        self._exports = waiting
+
+    def _import(self, slot: int, generation: int, payload: Import) -> None:
+        if not self.engine.alive():
+            self._restart("engine_died")
+        try:
+            self.engine.import_slot(slot, payload.state)
+        except Exception as exc:
+            if not isinstance(exc, MoveRefused):
+                log.exception("engine.import_slot failed for slot %d", slot)
+            self._answer(payload.done, exc)
+            return
+        self._batcher.open(slot, generation)
+        self._open[slot] = generation
+        self._answer(payload.done, None)
 
     def _fail_slot(self, slot: int, generation: int, error: str, message: str = "") -> None:
         self._batcher.close(slot)

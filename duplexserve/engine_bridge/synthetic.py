@@ -9,13 +9,17 @@ as a per-request preprocess loop does.
 
 from __future__ import annotations
 
+import json
+import struct
 import time
 from typing import Any
 
 import numpy as np
 
-from duplexserve.engine_bridge.engine import Engine, StepResult, Tail
+from duplexserve.engine_bridge.engine import Engine, MoveRefused, StepResult, Tail
 
+#: The export's header: a length, then JSON naming what the state fits (``_fits``).
+_HEADER = struct.Struct("<I")
 FAIL_MARK = np.float32(1000.0)  # within the edge's bound (codecs/pcm.py), far outside real audio
 WORDS = (" hello", " from", " the", " duplex", " echo", " engine.")
 
@@ -58,6 +62,42 @@ class SyntheticEngine(Engine):
 
     def close(self, slot: int) -> None:
         self.frame_index[slot] = 0
+
+    def _fits(self) -> dict[str, Any]:
+        """What an imported state must have been made by: the same mode, delay and frame size."""
+        return {"engine": self.name, "mode": self.mode, "delay": self.delay, "frame": self.frame_samples}
+
+    def export_slot(self, slot: int) -> bytes:
+        """The slot's frame index (the text cadence) and, with a delay, the frames not yet
+        echoed, oldest first: all an echo needs to go on exactly elsewhere."""
+        head = json.dumps({**self._fits(), "index": int(self.frame_index[slot])}).encode()
+        history = b""
+        if self._history is not None:
+            depth = self.delay + 1
+            order = (int(self.frame_index[slot]) + np.arange(depth)) % depth  # oldest first
+            history = self._history[slot, order].tobytes()
+        return _HEADER.pack(len(head)) + head + history
+
+    def import_slot(self, slot: int, state: bytes) -> None:
+        try:
+            (size,) = _HEADER.unpack_from(state)
+            head = json.loads(state[_HEADER.size : _HEADER.size + size])
+            index = int(head.pop("index"))
+        except (struct.error, ValueError, KeyError, TypeError) as exc:
+            raise MoveRefused("move_corrupt", f"not a synthetic engine's state: {exc}") from None
+        if head != self._fits():
+            raise MoveRefused("move_mismatch", f"state of {head}, this engine is {self._fits()}")
+        history = state[_HEADER.size + size :]
+        if self._history is None:
+            if history:
+                raise MoveRefused("move_corrupt", "history given to an engine without delay")
+        else:
+            depth = self.delay + 1
+            if len(history) != depth * self.frame_samples * 4:
+                raise MoveRefused("move_corrupt", f"history of {len(history)} bytes")
+            frames = np.frombuffer(history, np.float32).reshape(depth, self.frame_samples)
+            self._history[slot, (index + np.arange(depth)) % depth] = frames
+        self.frame_index[slot] = index
 
     def step(self, slots: np.ndarray, frames: np.ndarray) -> StepResult:
         if self.faults:

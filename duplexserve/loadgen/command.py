@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-every", type=float, default=0.0,
                    help="native: cut each session's TCP connection at random moments about this often "
                         "(seconds), resume it and go on; guards check every frame came once, in order")
+    p.add_argument("--follow-moves", action="store_true",
+                   help="native: follow session.moved (a drained replica's sessions moving to a peer): "
+                        "resume at the same URL with its token, send again what the server did not take")
     p.add_argument("--text-prompt", default="",
                    help="every session's text prompt (PersonaPlex's persona; Realtime: its instructions); "
                         "{session} in it becomes the session's number, a prompt the server has not seen")
@@ -135,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, processes=args.processes, ramp_s=args.ramp_s, expect=expect,
             delay_frames=args.delay_frames, playback_buffer_frames=args.playback_buffer_frames,
             timeout_s=args.timeout_s, scrape_metrics=not args.no_metrics, drop_every=args.drop_every,
+            follow_moves=args.follow_moves,
             text_prompt=args.text_prompt, voice_prompt=args.voice_prompt, arrivals_per_s=args.arrivals_per_s,
             loss=args.loss, jitter_ms=args.jitter_ms, opus_complexity=args.opus_complexity,
             opus_output_fec=args.webrtc_output_fec, webrtc_packet_ms=args.webrtc_packet_ms,

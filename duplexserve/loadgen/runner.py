@@ -73,6 +73,7 @@ class LoadSpec:
     label: str = ""
     scrape_metrics: bool = True
     drop_every: float = 0.0  # cut each session's connection about this often (s) and resume; 0: never
+    follow_moves: bool = False  # resume where session.moved says the session went (native, PCM)
     text_prompt: str = ""  # every session's persona (PersonaPlex): its text prompt,
     voice_prompt: str = ""  # and the name of a voice prompt the server holds
     arrivals_per_s: float = 0.0  # sessions joining a second, each replacing one that ends; 0: back to back
@@ -132,8 +133,10 @@ class LoadSpec:
         driver.configure(self)  # the options of one protocol only (--loss, --jitter-ms: WebRTC)
         if self.drop_every < 0:
             raise ValueError("drop_every cannot be negative")
-        if self.drop_every and (self.protocol != "native" or self.input_format not in SAMPLE_BYTES):
-            raise ValueError("--drop-every needs the native protocol and a PCM or G.711 input format")
+        resuming = self.drop_every or self.follow_moves
+        if resuming and (self.protocol != "native" or self.input_format not in SAMPLE_BYTES):
+            raise ValueError("--drop-every and --follow-moves need the native protocol and a PCM or G.711 "
+                             "input format")
         if self.arrivals_per_s < 0 or (self.arrivals_per_s and not self.paced):
             raise ValueError("--arrivals-per-s is a positive rate of paced sessions")
         if self.prompt() and not driver.takes_prompt:
@@ -158,7 +161,7 @@ class Worker:
         self.stream = spec.stream()
         self.base = BaseSignal(spec.frames_of(0, 1, False), spec.wav, spec.seed)  # the longest session
         driver = get_driver(spec.protocol).configure(spec)
-        self.driver_cls = ResumingNativeDriver if spec.drop_every else driver
+        self.driver_cls = ResumingNativeDriver if spec.drop_every or spec.follow_moves else driver
         self.progress = progress
         self.recent: list[float] = []
         self._live: set[SessionRecorder] = set()

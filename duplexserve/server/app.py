@@ -41,6 +41,7 @@ from duplexserve.server.key_file import KeyFile
 from duplexserve.server.metrics import CodecProcessesCollector, Metrics
 from duplexserve.server.overload import OverloadCollector, OverloadManager, Thresholds
 from duplexserve.server.peer_forward import PeerForwardCollector, PeerForwarder
+from duplexserve.server.peer_move import MOVE_PATH, PeerMoveCollector, PeerMover
 from duplexserve.server.protocols.moshi_chat import MoshiConnection
 from duplexserve.server.protocols.native import NativeConnection
 from duplexserve.server.protocols.realtime.adapter import RealtimeConnection
@@ -142,6 +143,9 @@ class DuplexApp:
         #: Resumes for sessions on another replica (server/peer_forward.py).
         self.peers = PeerForwarder(config.replica_id, config.peer_url_template, config.peer_secret)
         self.metrics.registry.register(PeerForwardCollector(self.peers))
+        #: Live migration: sessions moved to peers on drain, and taken in from them (server/peer_move.py).
+        self.mover = PeerMover(config, self.orchestrator, self.codec_procs)
+        self.metrics.registry.register(PeerMoveCollector(self.mover))
         self.http = self._http_app()
         #: --api-keys-file: loaded now (into config.api_keys), re-read on change while serving.
         self.key_file = KeyFile(config) if config.api_keys_file else None
@@ -219,6 +223,7 @@ class DuplexApp:
         app.get("/v1/voices")(personas.voices_route(self.config, orch))  # voice prompts (PersonaPlex)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
         self.webrtc.add_routes(app)  # POST /v1/realtime/calls, .../hangup, /v1/realtime/client_secrets
+        app.post(MOVE_PATH, include_in_schema=False)(self.mover.endpoint)  # a peer's session, signed
 
         return app
 
@@ -231,6 +236,9 @@ class DuplexApp:
         if refused is None and name is None:
             return False
         if (await receive())["type"] != "websocket.connect":
+            return True
+        if name is not None and self.orchestrator.draining:  # leaving: a proxy tries another replica
+            await adapter.refuse(errors.TRY_AGAIN, "server_unavailable", "draining: it relays no resume")
             return True
         if name is not None:
             config = self.config

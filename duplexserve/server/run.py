@@ -2,7 +2,8 @@
 
 uvicorn's own shutdown closes every WebSocket at once with 1012. Ours drains first: on
 SIGTERM (or SIGINT) the server stops admitting (/ready turns 503, new sessions get
-1013), lets live sessions finish for ``--drain-grace-s``, closes the rest with
+1013), moves each duplex/1 session it can to a peer of ``--peers`` (server/peer_move.py),
+lets the other live sessions finish for ``--drain-grace-s``, closes the rest with
 ``server_shutdown`` and their counts, and only then lets uvicorn exit. A second signal
 exits at once.
 """
@@ -158,6 +159,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         orch = self.app.orchestrator
+        await self.app.mover.drain()  # first, each session that can move goes to a peer (peer_move.py)
         log.info("draining %d sessions for up to %.0f s", orch.active, self.grace_s)
         await orch.drain(self.grace_s)
         await asyncio.sleep(0.5)  # let writers send session.closed and the close frames

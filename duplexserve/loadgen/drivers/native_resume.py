@@ -4,7 +4,10 @@ Used by ``--drop-every``. :meth:`ResumingNativeDriver.drop_and_resume` aborts th
 transport (no close handshake, like a pulled cable), opens ``?resume=<token>&
 last_frame=<k>`` with ``k`` the last output frame received, and sends again, from input
 frame ``frames_in`` on, whatever the server did not get; audio the runner sends during
-the gap waits and goes out after the resume. The sink sees one unbroken stream: the
+the gap waits and goes out after the resume. A ``session.moved`` (the server drained and its
+session went to another replica, docs/protocol.md) is followed the same way: a resume at the
+same URL with the token it gives, from the last output frame received. The sink sees one
+unbroken stream: the
 guards then check that every output frame came exactly once and in order across resumes.
 Each connection's callbacks go through a :class:`_Leg`, so the dying connection's
 close never reaches the sink.
@@ -50,6 +53,8 @@ class ResumingNativeDriver(NativeDriver):
         self.leg = 0
         self.frames_received = 0
         self.resumes = 0
+        self.moves = 0  # session.moved followed
+        self._follow: asyncio.Task[None] | None = None
         self._base = ""
         self._token = ""
         self._log: list[tuple[int, bytes | memoryview]] = []  # (byte offset, message) sent
@@ -100,6 +105,13 @@ class ResumingNativeDriver(NativeDriver):
     # ------------------------------------------------------------------ events
     def on_text(self, text: str, now: float) -> None:
         event = json.loads(text) if '"session.' in text[:40] else None
+        if event is not None and event.get("type") == "session.moved":
+            self._token = str(event["resume"]["token"])
+            if self._gap is None:  # the close 1012 that follows is the old leg's: not the call's end
+                self._begin_gap()
+                self.moves += 1
+                self._follow = asyncio.ensure_future(self._reconnect(30.0))
+            return
         if event is not None and event.get("type") in ("session.created", "session.resumed"):
             self._token = str((event.get("resume") or {}).get("token", ""))
             if event["type"] == "session.resumed":
@@ -119,11 +131,19 @@ class ResumingNativeDriver(NativeDriver):
         """Abort the connection, resume the session on a new one, send what it missed."""
         if self._gap is not None or self.ws is None or not self._token or self._ended:
             return
+        self._begin_gap()
+        self.ws.abort()
+        await self._reconnect(timeout)
+
+    def _begin_gap(self) -> None:
+        self._gap = asyncio.get_running_loop().create_future()
+        self.leg += 1  # from here on the old connection's events are ignored
+
+    async def _reconnect(self, timeout: float) -> None:
+        """Resume on a new connection with the current token, send what the server missed."""
         loop = asyncio.get_running_loop()
-        self._gap = loop.create_future()
+        assert self.ws is not None
         try:
-            self.leg += 1  # from here on the old connection's events are ignored
-            self.ws.abort()
             last = self.frames_received - 1
             self._resumed = loop.create_future()
             url = f"{self.url(self._base)}&resume={self._token}&last_frame={last}"
@@ -150,4 +170,5 @@ class ResumingNativeDriver(NativeDriver):
             self.sink.on_disconnect(None, "resume failed")
         finally:
             gap, self._gap = self._gap, None
-            gap.set_result(None)
+            if gap is not None:
+                gap.set_result(None)

@@ -78,6 +78,10 @@ class ResumeRegistry:
     def detached(self) -> int:
         return len(self._detached)
 
+    def entries(self) -> list[Resumable]:
+        """Every open resumable session's entry (attached or detached): what a drain may move."""
+        return list(self._by_session.values())
+
     def detached_sessions(self) -> list[Session]:
         return [entry.session for entry in self._detached]
 

@@ -119,6 +119,11 @@ class Session:
         return max(0, self.frames_out - self.frames_in)
 
     @property
+    def frames_waiting(self) -> bool:
+        """Frames cut and not yet handed to the engine (a move waits for none: core/move.py)."""
+        return bool(self._pending)
+
+    @property
     def input_paused(self) -> bool:
         """True while the reader should stop reading: the engine is not keeping up."""
         return len(self._pending) >= self.limits.max_pending_frames

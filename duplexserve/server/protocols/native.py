@@ -26,10 +26,11 @@ from duplexserve.server.core.events import AudioOut, ClosedOut, ErrorOut, Notice
 from duplexserve.server.core.replay import ReplayRing
 from duplexserve.server.core.resume import Resumable
 from duplexserve.server.core.session import State
+from duplexserve.server.protocols.native_move import NativeMove
 from duplexserve.server.protocols.native_resume import OPUS, NativeResume, text_delta
 
 
-class NativeConnection(NativeResume, ProtocolAdapter):
+class NativeConnection(NativeMove, NativeResume, ProtocolAdapter):
     protocol = "duplex/1"
     _resumable: Resumable | None = None
     _sent_audio: ReplayRing | None = None
@@ -119,8 +120,8 @@ class NativeConnection(NativeResume, ProtocolAdapter):
             raise SessionError(
                 "prompt_running", "audio before session.updated is not accepted: the prompt is running"
             )
-        if self._skip_bytes or not (decoder.inline and self.inline_ok):
-            return False
+        if self._skip_bytes or self._held is not None or not (decoder.inline and self.inline_ok):
+            return False  # a move under way: on_binary holds it
         self._wire_bytes += len(data)
         try:
             samples = decoder.decode(data)
@@ -130,6 +131,8 @@ class NativeConnection(NativeResume, ProtocolAdapter):
         return True
 
     async def on_binary(self, data: bytes) -> None:
+        if self.hold(data):  # a move under way (native_move.py)
+            return
         if self._skip_bytes:  # sent again after a resume, already decoded
             skip = min(self._skip_bytes, len(data))
             self._skip_bytes -= skip
@@ -148,12 +151,14 @@ class NativeConnection(NativeResume, ProtocolAdapter):
 
     def audio_payload(self, data: bytes) -> bytes | None:
         """Opus for the codec worker, straight from the fast path (transports/websocket/fast.py)."""
-        if self._skip_bytes or self._prompting is not None:  # binary_now refuses it
+        if self._skip_bytes or self._prompting is not None or self._held is not None:  # binary_now refuses it
             return None
         self._wire_bytes += len(data)
         return data
 
     async def on_text(self, text: str) -> None:
+        if self.hold(text):
+            return
         try:
             event = json.loads(text)
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
@@ -303,6 +308,8 @@ class NativeConnection(NativeResume, ProtocolAdapter):
         elif cls is ErrorOut:
             await self.send_error(item.code, item.message, item.fatal)
         elif cls is ClosedOut:
+            if item.reason == "moved":  # session.moved said it all; the close (1012) follows
+                return
             await self.send_json({
                 "type": "session.closed",
                 "reason": item.reason,

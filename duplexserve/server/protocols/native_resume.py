@@ -42,6 +42,7 @@ class Carry:
     sent_text: collections.deque[tuple[int, str]]
     wire_bytes: int  # input bytes fed to the decoder so far (PCM and G.711)
     prompted: bool = False  # the session's prompt was asked for: it is set once
+    applied: dict[str, str] | None = None  # the prompt the model ran (session.updated echoes it)
 
 
 def text_delta(frame: int, text: str) -> str:
@@ -62,6 +63,7 @@ class NativeResume:
     _wire_bytes: int
     _skip_bytes: int
     _prompted: bool
+    _applied: dict[str, str] | None
     session: Any
     decoder: Any
     encoder: Any
@@ -82,7 +84,8 @@ class NativeResume:
         assert self.decoder is not None and self.encoder is not None
         assert self._sent_audio is not None and self._sent_text is not None
         return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
-                     self._sent_audio, self._sent_text, self._wire_bytes, self._prompted)
+                     self._sent_audio, self._sent_text, self._wire_bytes, self._prompted,
+                     getattr(self, "_applied", None))
 
     def lost(self, session: Any) -> bool:
         entry = self._resumable
@@ -121,6 +124,7 @@ class NativeResume:
             if carry.output_format.format == OPUS else carry.encoder
         self._sent_audio, self._sent_text = carry.sent_audio, carry.sent_text
         self.session, self._resumable, self._prompted = session, entry, carry.prompted
+        self._applied = carry.applied
         if carry.input_format.format == OPUS:
             session.drop_partial()  # the new Ogg stream starts at input frame frames_in
         else:

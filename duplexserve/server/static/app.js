@@ -79,6 +79,9 @@ let mic = null;
 let capture = null;
 let player = null;
 let sentAt = new Float64Array(SENT_RING);
+// The last frames sent (by input index): after a move the server asks again from its frames_in.
+let sentFrames = new Array(SENT_RING);
+let moved = null; // session.moved: where the session went, its token (docs/protocol.md)
 let rtts = [];
 let call = null; // WebRTC: { pc, channel, remote, location }
 let heard = null; // WebRTC: the capture node on the model's voice
@@ -349,9 +352,27 @@ function prebufferSamples() {
   return Math.round((Number($("prebuffer").value) / 1000) * RATE);
 }
 
-function openSocket() {
+// After session.moved and its close 1012: resume at the same address with the token it gave,
+// from the last frame heard; any replica relays it to the one that now holds the session.
+function resumeUrl(resumeToken) {
+  const url = new URL(socketUrl());
+  url.searchParams.delete("text_prompt");
+  url.searchParams.delete("voice_prompt");
+  url.searchParams.set("resume", resumeToken);
+  url.searchParams.set("last_frame", String(stats.framesReceived - 1));
+  return url.toString();
+}
+
+// Send again what the server did not take before the move (frames_in on), where still kept.
+function resendFrom(framesIn) {
+  for (let i = framesIn; i < stats.framesSent; i += 1) {
+    if (stats.framesSent - i < SENT_RING) ws.send(sentFrames[i % SENT_RING]);
+  }
+}
+
+function openSocket(address) {
   return new Promise((resolve, reject) => {
-    ws = new WebSocket(socketUrl());
+    ws = new WebSocket(address || socketUrl());
     ws.binaryType = "arraybuffer";
     let created = false;
     ws.onmessage = (event) => {
@@ -364,6 +385,12 @@ function openSocket() {
         created = true;
         Object.assign(stats, { sessionId: msg.session_id, engine: msg.engine, model: msg.model });
         resolve();
+      } else if (msg.type === "session.resumed") {
+        created = true;
+        resendFrom(msg.frames_in);
+        resolve();
+      } else if (msg.type === "session.moved") {
+        moved = msg;
       } else if (msg.type === "text.delta") {
         addText(msg.text);
       } else if (msg.type === "error") {
@@ -375,6 +402,15 @@ function openSocket() {
     ws.onclose = (event) => {
       if (!created) {
         explainRefusal(event.code).then((why) => reject(new Error(why)));
+        return;
+      }
+      if (event.code === 1012 && moved) {  // the session moved to another replica: follow it
+        const resumeToken = moved.resume.token;
+        moved = null;
+        openSocket(resumeUrl(resumeToken)).catch((err) => {
+          stats.closeReason = `moved; ${err.message}`;
+          finish();
+        });
         return;
       }
       if (!stats.closeReason) stats.closeReason = `closed ${event.code}`;
@@ -402,6 +438,7 @@ function sendFrame({ frame, peak }) {
   stats.inputPeak = peak;
   if (!ws || ws.readyState !== WebSocket.OPEN || stats.state !== "live") return;
   sentAt[stats.framesSent % SENT_RING] = performance.now();
+  sentFrames[stats.framesSent % SENT_RING] = frame.buffer;
   stats.framesSent += 1;
   ws.send(frame.buffer);
 }
