@@ -144,8 +144,10 @@ class PeerMover:
         self._nonces: dict[str, float] = {}
 
     # ------------------------------------------------------------------ target
-    def verify(self, headers: Any, body: bytes, now: float | None = None) -> str | None:
-        """Why a move is not this fleet's, once (a refusal reason), or None."""
+    def verify(self, headers: Any, body: bytes | None, now: float | None = None) -> str | None:
+        """Why a move is not this fleet's, once (a refusal reason), or None. With ``body`` None,
+        what the headers alone tell (the secret, the fields, the time): checked before a body of
+        up to :data:`MAX_MOVE_BYTES` is read, so that an unsigned sender costs no read."""
         secret = self.config.peer_secret
         if not secret:
             return "moves_off"
@@ -153,8 +155,6 @@ class PeerMover:
         sender, given = headers.get(FROM_HEADER), headers.get(SIGNATURE_HEADER)
         if not (stamp and nonce and sender and given):
             return "unsigned"
-        if not hmac.compare_digest(given.encode(), sign(secret, stamp, nonce, sender, body).encode()):
-            return "bad_signature"
         now = time.time() if now is None else now
         try:
             skew = abs(now - float(stamp))
@@ -162,6 +162,10 @@ class PeerMover:
             return "bad_signature"
         if skew > MAX_SKEW_S:
             return "stale"
+        if body is None:
+            return None
+        if not hmac.compare_digest(given.encode(), sign(secret, stamp, nonce, sender, body).encode()):
+            return "bad_signature"
         self._nonces = {n: t for n, t in self._nonces.items() if t > now}
         if nonce in self._nonces:
             return "replayed"
@@ -176,13 +180,17 @@ class PeerMover:
 
     async def endpoint(self, request: Request) -> Response:
         """``POST /internal/v1/move``: take a peer's session into a free slot, detached; its token."""
+        refused = "a move must be signed with this fleet's --peer-secret, once"
+        reason = self.verify(request.headers, None)
+        if reason is not None:
+            return self._refuse(403, reason, refused)
         try:
             body = await read_body(request, MAX_MOVE_BYTES)
         except BodyTooLarge:
             return self._refuse(413, "too_large", f"a move over {MAX_MOVE_BYTES} bytes")
         reason = self.verify(request.headers, body)
         if reason is not None:
-            return self._refuse(403, reason, "a move must be signed with this fleet's --peer-secret, once")
+            return self._refuse(403, reason, refused)
         orch, config = self.orch, self.config
         log.info("a session moves here from %s (%d bytes)", request.headers.get(FROM_HEADER), len(body))
         try:
