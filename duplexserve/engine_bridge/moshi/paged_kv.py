@@ -122,6 +122,14 @@ class PageTable:
             self.held[row] = held + 1
             self._dirty = True
 
+    def hold(self, row: int, length: int, slot: int | None = None) -> int:
+        """Pages for slots ``[0, length)`` of ``row``, taken as its steps would have taken them (a
+        call imported with ``write_row``); the slots it holds (fewer where it stopped growing)."""
+        self.live[row] = True
+        for position in range(0, min(length, self.context), self.page):
+            self.grow(np.array([row]), np.array([position]), None if slot is None else np.array([slot]))
+        return int(self.caps_np[row]) if self.stopped[row] else min(length, self.context)
+
     def _stop(self, row: int, held: int, slot: int | None) -> None:
         self.stopped[row] = True
         self.caps_np[row] = held * self.page
@@ -175,7 +183,7 @@ def read_row(pool: PagedKV, table: PageTable, row: int, length: int) -> list[tor
 
 def write_row(pool: PagedKV, table: PageTable, row: int, data: list[torch.Tensor]) -> None:
     """Write ``read_row``'s tensors into ``row``'s slots ``[0, length)``, which it must hold
-    (``PageTable.grow`` to position ``length - 1`` first)."""
+    (``PageTable.hold`` first)."""
     length = data[0].shape[2]
     assert table.held[row] * table.page >= min(length, table.context), "the row holds too few pages"
     flat = row_slots(table, row, length).to(pool.cache.device)
