@@ -55,7 +55,9 @@ def test_the_tiny_preset_on_the_cpu():
     assert report["problems"] == "none"  # text with the toy tokenizer, and no prompts to refuse
     # 2 layers x K and V x 200 frames x 64 values x 4 bytes (float32 on the CPU)
     assert report["kv ring"].startswith("200.0 KiB a slot: 2 layers x K,V x 200 frames x 64 values x 4 B")
-    assert report["memory"].startswith("the CPU does not size slots by memory: 8 slots x 200.0 KiB of KV")
+    # paged: one page of 256 frames holds the 200 of the context; on the CPU every slot holds it whole
+    assert report["kv pages"].startswith("paged (--moshi-kv-layout paged): pages of 256 frames, 256.0 KiB")
+    assert report["memory"].startswith("the CPU does not size slots by memory: 8 slots x 256.0 KiB of KV")
     assert report["result"] == "serve would start with these options"
     if not os.path.exists("/dev/nvidiactl"):
         assert report["gpus"] == "none (no NVIDIA driver: /dev/nvidiactl is missing)"
@@ -147,7 +149,7 @@ def test_the_plan_on_a_gpu():
     import torch
 
     def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
-        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions)
+        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions, moshi_kv_layout="ring")
         lines: dict[str, str] = {}
         machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
         problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)

@@ -40,12 +40,12 @@ from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_
 from duplexserve.engine_bridge.moshi.families import get_family
 from duplexserve.engine_bridge.moshi.memory import (
     FRAME_HZ,
-    KV_PAGE,
     OTHER_PER_SLOT,
     MemoryPlan,
     Paging,
     fixed_bytes,
     kv_bytes_per_slot,
+    page_frames,
 )
 from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
 from duplexserve.engine_bridge.moshi.prompts import (
@@ -192,7 +192,7 @@ class MoshiEngine(Engine):
             raise ValueError(f"--moshi-kv-floor-s {kv_floor_s}: a number of seconds above 0")
         self.kv_layout = kv_layout  # what was asked; ``self.paged`` says what runs (start())
         self.kv_floor_s = kv_floor_s
-        self.kv_page = kv_page or KV_PAGE  # frames a page (tests: a few; the GPU: the kernel's chunk)
+        self.kv_page = kv_page  # frames a page (0: memory.page_frames, the kernel's chunk; tests: a few)
         self.kv_pages = kv_pages  # pages of the pool (0: from memory, else every slot's full context)
         self.paged = False
         self.pages: Any = None  # paged_kv.PageTable
@@ -544,6 +544,7 @@ class MoshiEngine(Engine):
 
         clock = self.lm_gen.lm_model.transformer._live_clock
         context = clock.capacity
+        self.kv_page = self.kv_page or page_frames(context)
         full = 1 + rows * -(-context // self.kv_page)
         pages = self.kv_pages or (plan.pool_pages if plan is not None and plan.paging else full)
         floor = round(self.kv_floor_s * FRAME_HZ)

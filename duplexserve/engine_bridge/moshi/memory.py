@@ -41,11 +41,19 @@ class Paging:
     page: int = KV_PAGE
 
     @classmethod
-    def of(cls, kv_per_context: int, context: int, floor_s: float, page: int = KV_PAGE) -> Paging:
-        """From a full context's bytes (``kv_bytes_per_slot``) and the floor in seconds."""
+    def of(cls, kv_per_context: int, context: int, floor_s: float, page: int = 0) -> Paging:
+        """From a full context's bytes (``kv_bytes_per_slot``) and the floor in seconds; ``page``:
+        0 is ``page_frames(context)``."""
+        page = page or page_frames(context)
         context_pages = -(-context // page)
         floor = min(context_pages, max(1, -(-round(floor_s * FRAME_HZ) // page)))
         return cls(kv_per_context * page // context, floor, context_pages, page)
+
+
+def page_frames(context: int) -> int:
+    """A page's frames: ``KV_PAGE``, or for a context shorter than that the power of two that holds
+    it (the kernel's chunk is a power of two), so that a short context is one page, not a longer one."""
+    return min(KV_PAGE, 1 << max(0, context - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ class MemoryPlan:
     @property
     def full_contexts(self) -> int:
         """Paged: how many calls the pool holds at their full context."""
-        return 0 if self.paging is None else (self.pool_pages - 1) // self.paging.context_pages
+        return 0 if self.paging is None else max(0, self.pool_pages - 1) // self.paging.context_pages
 
     def describe(self) -> str:
         if self.paging is not None:
