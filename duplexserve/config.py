@@ -224,6 +224,11 @@ class ServerConfig:
         " frames): the slot count is what these floors fit, and when the pages run out a call stops"
         " growing there (never ended), counted and logged",
     )
+    moshi_kv_pages: int = _opt(
+        0,
+        "moshi engine, paged KV: the pool's pages, the sink page included (0: every byte the memory"
+        " plan leaves on a GPU, every slot's full context on the CPU); at least 1 + slots x floor pages",
+    )
     moshi_mimi_attention: str = _opt(
         "live",
         "moshi engine: Mimi's transformers attend over their ring with one small kernel a layer (live:"

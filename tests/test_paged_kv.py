@@ -215,3 +215,25 @@ def test_the_paged_kernel_reads_as_the_ring_kernel():
     pytest.importorskip("triton")
     stdout = run_interpreted(KERNEL_CHECK, timeout=280)
     assert stdout.count("paged equals ring") == 3 and "paged write equals ring" in stdout, stdout
+
+
+def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory):
+    """The real server, two calls and a pool of their two floors (one 512-frame page each, the
+    1024-frame context being two): past 512 frames neither can grow, both go on to their last
+    frame and complete; the stops show in /metrics and the log, once a call."""
+    import asyncio
+
+    from tests.test_moshi_server import FLAGS, audio, session
+
+    server = server_factory(
+        *FLAGS, "--max-sessions", "2", "--moshi-context", "1024", "--moshi-kv-floor-s", "40",
+        "--moshi-kv-pages", "3",
+    )  # fmt: skip
+
+    async def two() -> list[np.ndarray]:
+        return await asyncio.gather(session(server.ws(), audio(1, 560)), session(server.ws(), audio(2, 540)))
+
+    outputs = asyncio.run(two())  # ``session`` checks each completed with every frame answered
+    assert [len(o) for o in outputs] == [561, 541]
+    assert server.metrics()["duplexserve_engine_kv_context_stops_total"] == 2
+    assert server.log().count("KV pages ran out") == 2

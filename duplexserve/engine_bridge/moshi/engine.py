@@ -320,11 +320,16 @@ class MoshiEngine(Engine):
         self._eager = no_compile  # a prefill's shapes vary: compiled, each new one would compile anew
         phase("kernels")
         self._allocate(self.num_slots, phase)
+        kv = "KV ring a slot"
+        if self.pages is not None:
+            pages = self.pages
+            kv = f"paged KV: {pages.pages} pages of {self.kv_page} frames, a floor of {pages.floor} a slot"
         log.info(
-            "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s (%s)",
+            "moshi engine ready: %s on %s, %d slots (%s), delay %d frames, %.1f s (%s)",
             self.preset.name if self.preset else self.source.hf_repo or self.source.weights,
             device,
             self.num_slots,
+            kv,
             self.delay_frames,
             time.perf_counter() - started,
             ", ".join(f"{name} {s:.1f} s" for name, s in self.start_phases.items()),
@@ -798,6 +803,7 @@ class MoshiEngine(Engine):
             for slot in self._unprompted.intersection(slots.tolist()):
                 self.prompt(slot, {})
         moves = self._rows.moves
+        stops = self.pages.stops if self.pages is not None else 0
         with torch.no_grad(), self._no_compile():
             # the step runs rows [0, size), in a bucket whose graphs are captured
             rows, size, reset = self._rows.prepare(slots, self._capture.fit)
@@ -872,7 +878,8 @@ class MoshiEngine(Engine):
                 *self._prompts_since_step,
             )  # fmt: skip
         self._prompts_since_step = [0, 0]
-        return StepResult(audio, text, finished, failed or None)
+        stopped = self.pages.stops - stops if self.pages is not None else 0
+        return StepResult(audio, text, finished, failed or None, stopped)
 
     def _refresh_lm_mask(self) -> None:
         """Under guidance the LM's modules read the slots' mask repeated (``_share_exec_mask``)."""
@@ -1032,4 +1039,5 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         mimi_convs=config.moshi_mimi_convs,
         kv_layout=config.moshi_kv_layout,
         kv_floor_s=config.moshi_kv_floor_s,
+        kv_pages=config.moshi_kv_pages,
     )
