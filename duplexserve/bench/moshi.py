@@ -369,7 +369,7 @@ def mixed_calls(
 ) -> list[tuple[float, float]]:
     """A long-tailed workload of about ``live`` calls at once over ``seconds``: (start, length) of
     each call, lengths lognormal with mean ``mean_s`` (``sigma`` the log's spread: 1.0 puts about
-    4% of the calls past 3x the mean), ``live`` of them at the start (spread over 2 s) and then
+    5% of the calls past 3x the mean), ``live`` of them at the start (spread over 2 s) and then
     Poisson arrivals at ``live / mean_s`` a second, which keep about ``live`` open. A call still
     going at the run's end is cut there (counted in the summary)."""
     rng = np.random.default_rng(seed)
