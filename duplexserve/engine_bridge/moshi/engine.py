@@ -7,8 +7,9 @@ graphs replay. Slots without a frame this step are masked by the exec mask (one 
 tensor that every streaming state reads; their state does not move); a slot is reset
 with ``reset_streaming(mask)`` when a session opens in it, so nothing of the previous
 occupant survives. The LM's temporal attention reads each row's live prefix of its KV
-ring only (``live_lm.py``), optionally from an 8-bit ring, and the ring is sized against
-the GPU's free memory before it is allocated (``memory.py``).
+only (``live_lm.py``), optionally in 8 bits; the KV is paged by default (``paged_kv.py``: a
+call takes pages as it ages, a slot reserves only its floor) or a ring a slot, and is sized
+against the GPU's free memory before it is allocated (``memory.py``).
 
 The LM answers with a delay (``max(delays)`` frames: 1 for Moshi, 2 for Hibiki). With
 ``support_out_of_sync`` each slot keeps its own clock, and the rows still inside
