@@ -219,9 +219,15 @@ def test_the_paged_kernel_reads_as_the_ring_kernel():
 
 def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory):
     """The real server, two calls and a pool of their two floors (one 512-frame page each, the
-    1024-frame context being two): past 512 frames neither can grow, both go on to their last
-    frame and complete; the stops show in /metrics and the log, once a call."""
+    1024-frame context being two): a third call is refused as full (the slots are what the floors
+    fit); past 512 frames neither call can grow, both go on to their last frame and complete; the
+    stops show in /metrics and the log, once a call."""
     import asyncio
+    import contextlib
+    import json
+
+    import websockets.asyncio.client
+    import websockets.exceptions
 
     from tests.test_moshi_server import FLAGS, audio, session
 
@@ -230,10 +236,30 @@ def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory):
         "--moshi-kv-pages", "3",
     )  # fmt: skip
 
-    async def two() -> list[np.ndarray]:
-        return await asyncio.gather(session(server.ws(), audio(1, 560)), session(server.ws(), audio(2, 540)))
+    async def third() -> tuple[dict, int | None]:
+        """A call while both slots' floors are taken: the server's usual full answer."""
+        await asyncio.sleep(1.0)
+        async with websockets.asyncio.client.connect(server.ws()) as ws:
+            event = json.loads(await ws.recv())
+            with contextlib.suppress(websockets.exceptions.ConnectionClosed):
+                await ws.recv()
+            return event, ws.close_code
 
-    outputs = asyncio.run(two())  # ``session`` checks each completed with every frame answered
+    async def calls() -> list:
+        return await asyncio.gather(
+            session(server.ws(), audio(1, 560)), session(server.ws(), audio(2, 540)), third()
+        )  # fmt: skip
+
+    *outputs, (refusal, code) = asyncio.run(calls())  # ``session`` checks each call completed
+    assert refusal["type"] == "error" and refusal["code"] == "server_unavailable" and code == 1013
     assert [len(o) for o in outputs] == [561, 541]
     assert server.metrics()["duplexserve_engine_kv_context_stops_total"] == 2
     assert server.log().count("KV pages ran out") == 2
+
+
+def test_a_pool_that_cannot_hold_every_floor_is_refused_at_start():
+    """Admission never outruns the floors: a pool short of one floor a slot (and the sink) stops
+    the start, with the numbers, as the memory plan refuses a slot count the GPU cannot hold."""
+    engine = MoshiEngine(6, "tiny", context=CONTEXT, threads=1, kv_page=PAGE, kv_floor_s=0.64, kv_pages=12)
+    with pytest.raises(ValueError, match="12 KV pages cannot hold the sink and 6 floors of 2 pages"):
+        engine.start()
