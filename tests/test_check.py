@@ -172,6 +172,32 @@ def test_the_plan_on_a_gpu():
     assert report(AUTO_SESSIONS, 2.5)[1][0].what == "--max-sessions auto: no slot fits on GPU 0"
 
 
+def test_the_paged_plan_on_a_gpu_counts_floors_and_gives_the_pool_the_rest():
+    """Paged KV (the default): a slot costs its floor's pages, auto admits what the floors fit, a
+    count past them is refused with the fix, and the report gives the pool's pages; the tiny
+    preset's 200-frame context is one 256-frame page."""
+    import torch
+
+    def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
+        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions)
+        lines: dict[str, str] = {}
+        machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
+        problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
+        return lines, problems
+
+    weights = weight_bytes(resolve_model(ServerConfig(engine="moshi")), "bfloat16").total
+    page = 2 * 2 * 256 * 64 * 2  # the tiny LM's bf16 K and V for 256 frames, every layer
+    auto = (4 * GIB - weights - RESERVE - page - LOAD_SLACK) // (page + OTHER_PER_SLOT)
+    lines, problems = report(AUTO_SESSIONS, 4)
+    assert problems == [] and lines["auto"].startswith(f"--max-sessions auto would pick {auto} (")
+    assert "(bfloat16 paged KV floor 1 x 256 frames" in lines["memory"]
+    spare = 4 * GIB - weights - RESERVE - auto * OTHER_PER_SLOT
+    assert f"KV pool {min(1 + auto, spare // page)} pages of 0.1 MiB" in lines["memory"]
+    lines, problems = report(auto + 40, 4)
+    assert problems[0].what.startswith(f"--max-sessions {auto + 40} does not fit on GPU 0")
+    assert "lower --moshi-kv-floor-s" in problems[0].fix
+
+
 def test_a_prompted_models_plan_counts_its_prompt_cache_and_prefill_row():
     """PersonaPlex's engine holds its prompt cache and the prefill's scratch row (one slot's ring)
     whatever the slot count, and its plan counts them: check and ``--max-sessions auto`` count them
