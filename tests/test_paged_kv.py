@@ -217,7 +217,8 @@ def test_the_paged_kernel_reads_as_the_ring_kernel():
     assert stdout.count("paged equals ring") == 3 and "paged write equals ring" in stdout, stdout
 
 
-def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory):
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["engine-thread", "engine-process"])
+def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory, mode):
     """The real server, two calls and a pool of their two floors (one 512-frame page each, the
     1024-frame context being two): a third call is refused as full (the slots are what the floors
     fit); past 512 frames neither call can grow, both go on to their last frame and complete; the
@@ -232,7 +233,7 @@ def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory):
     from tests.test_moshi_server import FLAGS, audio, session
 
     server = server_factory(
-        *FLAGS, "--max-sessions", "2", "--moshi-context", "1024", "--moshi-kv-floor-s", "40",
+        *FLAGS, *mode, "--max-sessions", "2", "--moshi-context", "1024", "--moshi-kv-floor-s", "40",
         "--moshi-kv-pages", "3",
     )  # fmt: skip
 
