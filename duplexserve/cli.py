@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="run a benchmark (docs/benchmarks.md)",
                    formatter_class=argparse.RawDescriptionHelpFormatter,
                    define=from_module("duplexserve.bench.command"))
+    sub.add_parser("proxy-exporter", help="count what the compose deployment's nginx answered callers, "
+                   "for Prometheus", define=from_module("duplexserve.proxy_exporter.command"))
     args = parser.parse_args(argv)
     if args.command in ("serve", "check"):
         try:  # MODEL: the settings it stands for
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-        return int(importlib.import_module(f"duplexserve.{args.command}.command").run(args) or 0)
+        module = importlib.import_module(f"duplexserve.{args.command.replace('-', '_')}.command")
+        return int(module.run(args) or 0)
     except ModuleNotFoundError as exc:
         line = missing(args.command, exc)
         if line is None:

@@ -38,10 +38,11 @@
 #                           N sessions at once, then by sessions joining and leaving one at a time
 #                           so the batch walks every bucket size up and down, never idle (bench
 #                           moshi-first-traffic): late frames, steps over 200 ms, start to ready
-#   breakdown | attention | agreement | mimi | ring
+#   breakdown | attention | agreement | mimi | ring | moves
 #                           duplexserve bench moshi-step (step parts, one layer, vs batch 1,
-#                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention)
-#   breakdown-S | agreement-S | attention-S
+#                           Mimi's float32 matmuls as TF32 against float32, Mimi's ring attention,
+#                           a slot's export and import for a live move)
+#   breakdown-S | agreement-S | attention-S | moves-S
 #                           the same with the arguments in $MOSHI_STEP_ARGS_<S in capitals>
 #   PHASE@REF               PHASE run by the package in .ab/REF (an older tree, for A/B runs on one
 #                           GPU: git archive REF duplexserve | tar -x -C .ab/REF, and carry .ab)
@@ -93,9 +94,9 @@ for spec in "$@"; do
       kv=$([ "${parts[2]:-}" = int8 ] && echo int8 || echo bf16)
       python3 -m duplexserve bench moshi-steps --preset "$preset" --kv-dtype "$kv" \
         --batches "${STEPS_BATCHES:-64,128,256,384,512}" --steps 50 --out "$OUT/$name.json" ;;
-    breakdown|attention|agreement|mimi|ring)
+    breakdown|attention|agreement|mimi|ring|moves)
       python3 -m duplexserve bench moshi-step "$phase" ${MOSHI_STEP_ARGS:-} --out "$OUT/$name.json" ;;
-    breakdown-*|agreement-*|attention-*)
+    breakdown-*|agreement-*|attention-*|moves-*)
       # e.g. agreement-moshi7b, breakdown-lean: the part, then args from MOSHI_STEP_ARGS_<SUFFIX>
       part="${phase%%-*}"; suffix="${phase#*-}"; var="MOSHI_STEP_ARGS_${suffix^^}"
       python3 -m duplexserve bench moshi-step "$part" ${!var:-} --out "$OUT/$name.json" ;;

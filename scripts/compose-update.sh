@@ -15,6 +15,10 @@
 #   3. wait until its /ready answers 200 (engine loaded, admitting);
 #   4. `nginx -s reload` in lb: nginx resolves the names again (the new container's address);
 #      the old workers keep the calls they carry (worker_shutdown_timeout, docker/nginx/nginx.conf).
+#      Needed because the lb image's nginx (Debian's 1.22) resolves upstream names only then: the
+#      `resolve` parameter that re-resolves them at run time is open-source nginx's from 1.27.3,
+#      and a variable proxy_pass would lose the pool's least_conn and 503 retries
+#      (docs/deploy-compose.md, Scale-out).
 # Then the next. The other replicas take every new call meanwhile: keep the fleet's spare slots
 # above one replica's worth during an update.
 #

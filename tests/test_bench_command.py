@@ -173,6 +173,21 @@ def test_moshi_step_sass_reads_the_int8_kernels_loop():
     assert paged["loop_instructions"] <= ring["loop_instructions"]
 
 
+def test_moshi_step_moves_times_a_slots_export_and_import_at_each_age():
+    """``bench moshi-step moves``: the state's bytes grow with the age by one KV slot a frame
+    of every layer (at a 64-frame context, capped there), and each call is timed."""
+    from duplexserve.bench import moshi_step
+
+    parser = argparse.ArgumentParser()
+    moshi_step.add_arguments(parser)
+    args = ["moves", "--preset", "tiny", "--batches", "2", "--ages", "4,14,100", "--context", "64"]
+    young, older, full = moshi_step.cmd_moves(parser.parse_args([*args, "--steps", "1"]))
+    per_frame = 2 * 2 * 64 * 4  # layers x K and V x dim x float32
+    assert abs(older["bytes"] - young["bytes"] - 10 * per_frame) < 64
+    assert abs(full["bytes"] - young["bytes"] - (64 - 4) * per_frame) < 64
+    assert all(row[key] > 0 for row in (young, older) for key in ("export_ms", "import_ms", "step_ms"))
+
+
 def test_moshi_step_puts_the_rows_at_their_age_past_their_pending_resets():
     """Every row is due a reset after the warm-up and after each resize: set before the
     step that takes it, the age would be lost and the breakdown would time newborn rows."""

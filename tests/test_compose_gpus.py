@@ -105,7 +105,7 @@ def test_compose_config_accepts_the_override(tmp_path, cpu) -> None:
     assert config.returncode == 0, config.stderr
     services = yaml.safe_load(config.stdout)["services"]
     replicas = ["duplexserve", "duplexserve-1", "duplexserve-2", "duplexserve-3"]
-    assert sorted(set(services) - {"lb", "loadgen"}) == replicas
+    assert sorted(set(services) - {"lb", "lb-exporter", "loadgen"}) == replicas
     assert [services[r]["environment"]["NVIDIA_VISIBLE_DEVICES"] for r in replicas] == ["0", "1", "2", "3"]
     assert {services[r].get("runtime") for r in replicas} == {"runc" if cpu else "nvidia"}
     # Resume with no affinity: each replica's id is its service name, which its peers reach it by.

@@ -98,8 +98,8 @@ def test_no_key_or_resume_token_in_nginx_logs_even_when_a_replica_fails(server_f
         models = httpx.get(https + "/v1/models", params={"token": KEY}, verify=ssl_context(cert), timeout=10)
         assert models.status_code == 200
     access = (tmp_path / "nginx" / "access.log").read_text()
-    error = (tmp_path / "nginx" / "error.log").read_text()
-    assert "connect() failed" in error  # the replica that is down was tried, and said so
+    error = (tmp_path / "nginx" / "error.log").read_text() + (tmp_path / "nginx" / "stderr.log").read_text()
+    assert "upstream_status=502" in access  # the replica that is down was tried, and it shows
     assert "resume=***" in access and "/v1/duplex" in access
     for secret in (KEY, RESUME):
         assert secret not in access, access
@@ -144,3 +144,25 @@ def test_internal_routes_are_not_served_and_plain_http_redirects_to_hsts(server_
         plain = httpx.get(f"http://127.0.0.1:{tls.http_port}/v1/models?model=m", timeout=10)
         assert plain.status_code == 301
         assert plain.headers["location"] == "https://127.0.0.1/v1/models?model=m"
+
+
+def test_a_plain_http_call_to_a_failed_replica_leaves_no_key_in_any_nginx_log(server_factory, tmp_path,
+                                                                              monkeypatch) -> None:
+    """The site's own port, without tls.conf in front: a call with ``?token=`` whose replica is
+    down (a resume to it) makes nginx log the failure, and that line must not quote the URL."""
+    server = server_factory("--api-keys", KEY, *REPLICA)
+    shipped_logging(monkeypatch)
+
+    async def main(ws: str) -> None:
+        with pytest.raises(websockets.InvalidStatus) as info:
+            await Live.open(f"{ws}?model=m&token={KEY}&resume={RESUME}&last_frame=3")
+        assert info.value.response.status_code == 503
+
+    with nginx_in_front(tmp_path, server, Down(free_port())) as ws:
+        asyncio.run(main(ws))
+    logs = tmp_path / "nginx"
+    access = (logs / "access.log").read_text()
+    assert "resume=***" in access and "upstream_status=502" in access  # tried, failed, and logged so
+    for name in ("error.log", "stderr.log"):
+        text = (logs / name).read_text()
+        assert KEY not in text and RESUME not in text, (name, text)

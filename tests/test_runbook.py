@@ -1,6 +1,7 @@
 """Every alert links its runbook entry: each rule of every PrometheusRule under deploy/kubernetes
-has a ``runbook_url`` annotation into docs/runbook.md whose anchor is one of its headings, named
-for the alert. An alert added without its entry, or an entry renamed, fails here."""
+and of docker/prometheus/alerts.yml has a ``runbook_url`` annotation into docs/runbook.md whose
+anchor is one of its headings, named for the alert. An alert added without its entry, or an entry
+renamed, fails here."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def alerts() -> list[dict[str, Any]]:
         for doc in yaml.safe_load_all(path.read_text()):
             if isinstance(doc, dict) and doc.get("kind") == "PrometheusRule":
                 found += [r for g in doc["spec"]["groups"] for r in g["rules"] if "alert" in r]
-    return found
+    # The compose deployment's rule file (docker/prometheus/prometheus.yml loads it).
+    compose = yaml.safe_load((ROOT / "docker" / "prometheus" / "alerts.yml").read_text())
+    return found + [r for g in compose["groups"] for r in g["rules"] if "alert" in r]
 
 
 def test_every_alert_links_its_runbook_entry() -> None:

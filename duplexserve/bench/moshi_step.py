@@ -23,6 +23,9 @@
                the torch operators that run a kernel on CUDA, and the Triton launches.
     sass       the tensor-core ring kernel compiled for sm_90 on this machine (``kernel_sass.py``):
                registers, and the instructions of its main loop a tile of the ring.
+    moves      one slot's ``export_slot`` and ``import_slot`` (a session's live move, issue 76)
+               in an engine of the first of --batches live rows, at each of --ages: the
+               state's bytes, each call's wall time and the next step's.
 
 Runs on CUDA but for ``kernels`` and ``sass`` (the numbers in docs/benchmarks.md come from one
 H200); JSON to --out.
@@ -763,9 +766,57 @@ def cmd_sass(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def cmd_moves(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Slot 0 exported, closed and imported back, ``--steps`` times at each age (medians)."""
+    import torch
+
+    from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
+
+    batch = int(args.batches.split(",")[0])
+    engine = MoshiEngine(
+        batch, args.preset, context=args.context, kv_dtype=args.kv_dtype, sampling=Sampling(greedy=True)
+    )
+    engine.start()
+    cuda = engine.device.type == "cuda"
+    slots = np.arange(batch)
+    for slot in slots.tolist():
+        engine.open(slot, {})
+    frames = np.zeros((batch, FRAME), dtype=np.float32)
+
+    def timed(call: Any) -> tuple[Any, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        out = call()
+        if cuda:
+            torch.cuda.synchronize()
+        return out, 1000 * (time.perf_counter() - began)
+
+    rows = []
+    for age in (int(a) for a in args.ages.split(",")):
+        at_age(engine, slots, frames, age)
+        spans: dict[str, list[float]] = {"export_ms": [], "import_ms": [], "step_ms": []}
+        size = 0
+        for _ in range(max(1, args.steps)):
+            state, ms = timed(lambda: engine.export_slot(0))
+            spans["export_ms"].append(ms)
+            size = len(state)
+            engine.close(0)
+            spans["import_ms"].append(timed(lambda state=state: engine.import_slot(0, state))[1])
+            spans["step_ms"].append(timed(lambda: engine.step(slots, frames))[1])
+        row = {
+            "preset": args.preset, "kv_dtype": args.kv_dtype, "batch": batch, "age": age, "bytes": size,
+            **{k: round(float(np.median(v)), 2) for k, v in spans.items()},
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    engine.stop()
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
-    for name in ("breakdown", "attention", "agreement", "mimi", "ring", "kernels", "sass"):
+    for name in ("breakdown", "attention", "agreement", "mimi", "ring", "kernels", "sass", "moves"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="hibiki-2b-class")
         p.add_argument("--batches", default="1,32,64,128,192,224")
@@ -817,7 +868,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     parts = {
         "breakdown": cmd_breakdown, "attention": cmd_attention, "agreement": cmd_agreement, "mimi": cmd_mimi,
-        "ring": cmd_ring, "kernels": cmd_kernels, "sass": cmd_sass,
+        "ring": cmd_ring, "kernels": cmd_kernels, "sass": cmd_sass, "moves": cmd_moves,
     }  # fmt: skip
     rows = parts[args.part](args)
     if args.out:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from duplexserve.config import ServerConfig
-from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
+from duplexserve.engine_bridge.engine import Engine, MoveRefused, PromptError, StepResult
 
 log = logging.getLogger(__name__)
 #: The engine process's name in ``ps`` and ``/proc/PID/comm`` (15 characters at most), and the spare's.
@@ -152,6 +152,8 @@ class ProcessEngine(Engine):
             raise EngineProcessError(value)
         if status == "prompt_error":
             raise PromptError(*value)
+        if status == "move_refused":
+            raise MoveRefused(*value)
         if status != "ok":
             raise EngineProcessError(value)
         return value
@@ -173,6 +175,14 @@ class ProcessEngine(Engine):
 
     def warm(self) -> bool:
         return bool(self._call(("warm",)))
+
+    def export_slot(self, slot: int) -> bytes:
+        """The child engine's export, its bytes through the pipe (a session's state: megabytes
+        to a few gigabytes, sent once a move); ``MoveRefused`` comes back as itself."""
+        return bytes(self._call(("export", slot)))
+
+    def import_slot(self, slot: int, state: bytes) -> None:
+        self._call(("import", slot, state))
 
     def end_input(self, slot: int, frames: int) -> None:
         self._post(("end_input", slot, frames))
@@ -217,16 +227,26 @@ def _read_reply(fd: int) -> tuple[Any, Any, float]:
         if not more:
             raise EOFError
         data += more
-    (size,) = struct.unpack("!i", data[:4])  # a reply is never over 2 GiB (the 8-byte form)
+    (size,) = struct.unpack("!i", data[:4])
+    start = 4
+    if size == -1:  # over 2 GiB (an exported slot's state may be): an 8-byte length follows
+        data = _read_at_least(fd, data, 12)
+        (size,) = struct.unpack("!Q", data[4:12])
+        start = 12
+    body = _read_at_least(fd, data, start + size)
+    return pickle.loads(memoryview(body)[start : start + size])  # type: ignore[no-any-return]
+
+
+def _read_at_least(fd: int, data: bytes, n: int) -> bytes:
+    """``data`` and what follows it on ``fd``, ``n`` bytes at least."""
     parts, have = [data], len(data)
-    while have < 4 + size:
-        more = os.read(fd, 4 + size - have)
+    while have < n:
+        more = os.read(fd, n - have)
         if not more:
             raise EOFError
         parts.append(more)
         have += len(more)
-    body = b"".join(parts) if len(parts) > 1 else data
-    return pickle.loads(memoryview(body)[4 : 4 + size])  # type: ignore[no-any-return]
+    return b"".join(parts) if len(parts) > 1 else data
 
 
 def _copy_kept(frames: np.ndarray) -> np.ndarray:
@@ -313,6 +333,13 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
                 elif kind == "warm":
                     assert engine is not None
                     conn.send(("ok", engine.warm(), time.monotonic()))
+                elif kind == "export":
+                    assert engine is not None
+                    conn.send(("ok", engine.export_slot(message[1]), time.monotonic()))
+                elif kind == "import":
+                    assert engine is not None
+                    engine.import_slot(message[1], message[2])
+                    conn.send(("ok", None, time.monotonic()))
                 elif kind == "prompt_cached":
                     assert engine is not None
                     conn.send(("ok", engine.prompt_cached(message[1]), time.monotonic()))
@@ -329,6 +356,8 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
                     return
             except PromptError as exc:  # refused, not failed: the parent raises it with its code
                 conn.send(("prompt_error", (exc.code, str(exc)), time.monotonic()))
+            except MoveRefused as exc:  # the same for a move
+                conn.send(("move_refused", (exc.code, str(exc)), time.monotonic()))
             except Exception:  # the parent raises it where the call was made
                 conn.send(("error", traceback.format_exc(), time.monotonic()))
     finally:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from duplexserve.config import ServerConfig
-from duplexserve.engine_bridge.engine import Engine, PromptError, StepResult
+from duplexserve.engine_bridge.engine import Engine, MoveRefused, PromptError, StepResult
 from duplexserve.engine_bridge.moshi.capture_plan import CapturePlan
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.families import get_family
@@ -205,6 +205,7 @@ class MoshiEngine(Engine):
         self.timings = {"steps": 0, "step_s": 0.0, "host_s": 0.0}
         self.memory_in_use = (0, 0)  # bytes: the device's once started (a GPU's), its rings' part
         self._prompts_since_step = [0, 0]  # new (a forward), cached (a copy)
+        self._move_identity: dict[str, Any] | None = None  # what a moved slot's state must match
         self._warming = False  # warm-up's steps compile and capture: slow on purpose, before ready
         #: Where the start went, in order (seconds): the log prints it, ``check`` and the
         #: start-time benchmark read it (docs/moshi-engine.md, "Start-up").
@@ -661,6 +662,129 @@ class MoshiEngine(Engine):
             self._forced.pop(slot, None)
             self._unprompted.discard(slot)
 
+    # ---------------------------------------------------------------------- moves
+    def export_slot(self, slot: int) -> bytes:
+        """The slot's row of every per-row tensor, the LM's KV up to what the row filled, and
+        the slot's bookkeeping (slot_export.py). A PersonaPlex slot whose prompt still forces
+        the agent's tokens moves with what it still forces; one opened whose prompt has not
+        run yet is ``move_not_now``."""
+        from duplexserve.engine_bridge.moshi import slot_export
+
+        torch = self._torch
+        if self.family.prompted and slot in self._unprompted:
+            raise MoveRefused("move_not_now", f"slot {slot}'s prompt has not run yet: move it once it has")
+        row = self._row_for_move(slot)
+        rings, rows = self._kv_rows(row)
+        capacity, _ = slot_export.kv_layout(rings, self.num_slots)
+        n = min(int(self.lm_gen.lm_model.transformer._streaming_state.offsets[row]), capacity)
+        tensors = slot_export.read_row(self._slots, row, slot_export.ring_tensors(rings))
+        tensors.update((f"kv.{i}", t) for i, t in enumerate(slot_export.row_kv(rings, rows, n)))
+        forced = self._forced.get(slot, []) if self.family.prompted else []
+        if forced:
+            tensors["forced"] = torch.from_numpy(np.stack(forced))
+        state = {
+            "steps": int(self._steps[slot]),
+            "eoi_at": int(self._eoi_at[slot]),
+            "lead": int(self._lead[slot]),
+            "forced": len(forced),
+        }
+        return slot_export.pack(self.move_identity(), state, tensors, n)
+
+    def import_slot(self, slot: int, state: bytes) -> None:
+        """Open ``slot`` (the reset of ``open``, done now) and write an exported state into its
+        row: its next step is the one the exporting engine's would have been."""
+        from duplexserve.engine_bridge.moshi import slot_export
+
+        torch = self._torch
+        saved, tensors, n = slot_export.unpack(state, self.move_identity())
+        try:
+            steps, eoi_at, lead, count = (int(saved[k]) for k in ("steps", "eoi_at", "lead", "forced"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MoveRefused("move_corrupt", f"the slot state's bookkeeping does not parse: {exc}") from exc
+        forced = tensors.get("forced")
+        fits = forced is not None and forced.dim() == 2 and len(forced) == count
+        if count and not (self.family.prompted and fits):
+            raise MoveRefused("move_mismatch", "the slot state forces agent tokens this model cannot")
+        rings, rows = self._kv_rows(0)
+        kv = [tensors.get(f"kv.{i}") for i in range(sum(k.startswith("kv.") for k in tensors))]
+        if not 0 <= n <= slot_export.kv_layout(rings, self.num_slots)[0]:
+            raise MoveRefused("move_mismatch", f"the state holds {n} KV slots, past this model's context")
+        slot_export.check_kv(kv, slot_export.row_kv(rings, [0] * len(rows), 0), n)  # type: ignore[arg-type]
+        self.open(slot, {})
+        try:
+            row = self._row_for_move(slot)
+            rings, rows = self._kv_rows(row)
+            with torch.no_grad():
+                slot_export.write_row(self._slots, row, slot_export.ring_tensors(rings), tensors)
+                slot_export.put_row_kv(rings, rows, kv)  # type: ignore[arg-type]
+        except BaseException:
+            self.close(slot)
+            raise
+        self._steps[slot], self._eoi_at[slot], self._lead[slot] = steps, eoi_at, lead
+        if self.family.prompted:
+            self._unprompted.discard(slot)
+            if count:
+                self._forced[slot] = list(forced.numpy())  # type: ignore[union-attr]
+
+    def move_identity(self) -> dict[str, Any]:
+        """What a slot's state must have been made by to be imported here: the model, its
+        dtypes and shapes, and every setting that changes what a row's state holds."""
+        import hashlib
+
+        from duplexserve.engine_bridge.moshi.slot_export import kv_layout
+
+        if self._move_identity is not None:
+            return self._move_identity
+        lm = self.lm_gen.lm_model
+        rings = [layer.self_attn._streaming_state for layer in lm.transformer.layers]
+        ring = rings[0].kv_cache
+        source = self.source
+        named = source.hf_repo or os.path.basename(source.weights.rstrip("/"))
+        model = self.preset.name if self.preset else named
+        # A few weights' bytes: two replicas that name their checkpoint alike but load others differ.
+        probe = hashlib.sha256()
+        for module in (lm, self.mimi):
+            for param in list(module.parameters())[:4]:
+                probe.update(param.detach().flatten()[:64].double().cpu().numpy().tobytes())
+        self._move_identity = {
+            "family": self.model_type,
+            "model": model,
+            "lora": os.path.basename(source.lora),
+            "weights": probe.hexdigest()[:16],
+            "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
+            "mimi_dtype": str(next(self.mimi.parameters()).dtype).removeprefix("torch."),
+            "kv_dtype": str(ring.cache.dtype).removeprefix("torch."),
+            "context": int(kv_layout(rings, self.num_slots)[0]),
+            "cfg_coef": self.cfg_coef,
+            "delay": int(self.delay_frames),
+            "attention": self.attention,
+            "depformer": self.depformer,
+            "mimi_attention": self.mimi_attention,
+        }
+        return self._move_identity
+
+    def _row_for_move(self, slot: int) -> int:
+        """The slot's row, the full states in use and a reset still due done now."""
+        self._rows.views.use(self.num_slots)
+        row = int(self._rows.map.row_of[slot])
+        if row < 0:
+            raise MoveRefused("move_not_now", f"slot {slot} holds no session")
+        if self._rows.map.reset[row]:
+            with self._torch.no_grad():
+                self._reset_rows(np.arange(row + 1) == row)
+            self._rows.map.reset[row] = False
+        return row
+
+    def _kv_rows(self, row: int) -> tuple[list[Any], list[int]]:
+        """The LM layers' streaming states (their rings) and the batch rows of ``row``'s
+        copies there (two under guidance: conditioned, then unconditioned), of the full states."""
+        self._rows.views.use(self.num_slots)
+        from duplexserve.engine_bridge.moshi.slot_export import kv_layout
+
+        rings = [layer.self_attn._streaming_state for layer in self.lm_gen.lm_model.transformer.layers]
+        _, copies = kv_layout(rings, self.num_slots)
+        return rings, [c * self.num_slots + row for c in range(copies)]
+
     # -------------------------------------------------------------------- prompts
     def prompt(self, slot: int, params: dict[str, Any]) -> None:
         """Reset the session's row now and run its prompt through the LM in one forward."""
@@ -930,6 +1054,7 @@ class MoshiEngine(Engine):
             )
         self._prompt_cache.clear()
         self._prefill_runner = None
+        self._move_identity = None
         self.mimi = self.lm_gen = None  # type: ignore[assignment]
         self._mimi_encode = self._mimi_decode = self._rows = self._mimi_fns = None  # type: ignore[assignment]
         self._reset_rows = None  # type: ignore[assignment]

@@ -1,0 +1,2 @@
+"""``duplexserve proxy-exporter``: what the compose deployment's nginx answered callers, as
+Prometheus counters (docs/deploy-compose.md, "Monitoring")."""
