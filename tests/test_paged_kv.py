@@ -264,3 +264,24 @@ def test_a_pool_that_cannot_hold_every_floor_is_refused_at_start():
     engine = MoshiEngine(6, "tiny", context=CONTEXT, threads=1, kv_page=PAGE, kv_floor_s=0.64, kv_pages=12)
     with pytest.raises(ValueError, match="12 KV pages cannot hold the sink and 6 floors of 2 pages"):
         engine.start()
+
+
+def test_a_call_that_stopped_growing_is_not_moved_now():
+    """Slot moves (slot_export.py) read a row's pages up to its length; a call that stopped
+    growing wraps inside fewer pages than its age, so its export is refused for now."""
+    from duplexserve.engine_bridge.engine import MoveRefused
+    from tests.test_moshi_equivalence import signal
+
+    engine = make_engine("paged", kv_floor_s=PAGE / 12.5, kv_pages=1 + 6)  # every page a floor
+    try:
+        for slot in range(6):
+            engine.open(slot, {})
+        for frame in signal(3, PAGE + 2):
+            engine.step(np.array([0]), frame[None])
+        assert engine.pages.stops == 1
+        with pytest.raises(MoveRefused, match="stopped growing") as refused:
+            engine.export_slot(0)
+        assert refused.value.code == "move_not_now"
+        assert len(engine.export_slot(1)) > 0  # a call that fits moves
+    finally:
+        engine.stop()

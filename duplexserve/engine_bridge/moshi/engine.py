@@ -674,6 +674,8 @@ class MoshiEngine(Engine):
         if self.family.prompted and slot in self._unprompted:
             raise MoveRefused("move_not_now", f"slot {slot}'s prompt has not run yet: move it once it has")
         row = self._row_for_move(slot)
+        if self.pages is not None and self.pages.stopped[row]:  # its keys wrap inside fewer pages
+            raise MoveRefused("move_not_now", f"slot {slot}'s KV context stopped growing (paged KV ran out)")
         rings, rows = self._kv_rows(row)
         capacity, _ = slot_export.kv_layout(rings, self.num_slots)
         n = min(int(self.lm_gen.lm_model.transformer._streaming_state.offsets[row]), capacity)
@@ -754,6 +756,7 @@ class MoshiEngine(Engine):
             "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
             "mimi_dtype": str(next(self.mimi.parameters()).dtype).removeprefix("torch."),
             "kv_dtype": str(ring.cache.dtype).removeprefix("torch."),
+            "kv_layout": "paged" if self.pages is not None else "ring",  # a ring row has offsets of its own
             "context": int(kv_layout(rings, self.num_slots)[0]),
             "cfg_coef": self.cfg_coef,
             "delay": int(self.delay_frames),

@@ -133,8 +133,7 @@ class LiveAttention(StreamingMultiheadAttention):
         weight = self.in_projs[0].weight
         heads, dim = self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads
         if clock.pages is not None:
-            pages, device, dtype = clock.pages, weight.device, weight.dtype
-            ring: Any = PagedKV(pages.pages, heads, pages.page, dim, device, dtype, clock.quantized)
+            ring: Any = PagedKV(clock.pages, heads, dim, weight.device, weight.dtype, clock.quantized)
         else:
             ring = QuantRing(batch_size, heads, dim, self.context, weight.device, weight.dtype)
         offset = torch.zeros(batch_size, device=weight.device, dtype=torch.long)

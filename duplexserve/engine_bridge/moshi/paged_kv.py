@@ -41,14 +41,16 @@ SINK = 0  #: the page every entry a row does not hold points at
 
 class PagedKV:
     """A layer's page pool, in place of moshi's ``RingKVCache``: no per-row tensor (the rows'
-    pages are the ``PageTable``'s), so a reset or a move touches nothing here."""
+    pages are the ``PageTable``'s, ``table``), so a reset or a move touches nothing here."""
 
     def __init__(
-        self, pages: int, heads: int, page: int, dim: int, device: Any, dtype: Any, quantized: bool
+        self, table: PageTable, heads: int, dim: int, device: Any, dtype: Any, quantized: bool
     ) -> None:
+        self.table = table
         kv_dtype = torch.int8 if quantized else dtype
-        self.cache = torch.zeros((2, pages, heads, page, dim), device=device, dtype=kv_dtype)
-        self.scale = torch.zeros((2, pages, heads, page), device=device, dtype=dtype) if quantized else None
+        shape = (2, table.pages, heads, table.page)
+        self.cache = torch.zeros((*shape, dim), device=device, dtype=kv_dtype)
+        self.scale = torch.zeros(shape, device=device, dtype=dtype) if quantized else None
 
     def reset(self, reset_mask: torch.Tensor) -> None:
         """Nothing to clear: a reset row's length drops to 0 and it holds no page."""
