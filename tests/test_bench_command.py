@@ -183,8 +183,8 @@ def test_moshi_step_moves_times_a_slots_export_and_import_at_each_age():
     args = ["moves", "--preset", "tiny", "--batches", "2", "--ages", "4,14,100", "--context", "64"]
     young, older, full = moshi_step.cmd_moves(parser.parse_args([*args, "--steps", "1"]))
     per_frame = 2 * 2 * 64 * 4  # layers x K and V x dim x float32
-    assert abs(older["bytes"] - young["bytes"] - 10 * per_frame) < 64
-    assert abs(full["bytes"] - young["bytes"] - (64 - 4) * per_frame) < 64
+    assert abs(older["bytes"] - young["bytes"] - 10 * per_frame) <= 64  # the header, padded to 8 bytes
+    assert abs(full["bytes"] - young["bytes"] - (64 - 4) * per_frame) <= 64
     assert all(row[key] > 0 for row in (young, older) for key in ("export_ms", "import_ms", "step_ms"))
 
 
