@@ -210,6 +210,25 @@ class ServerConfig:
         " head: half the memory a session, not exact (docs/moshi-engine.md)",
         ("bf16", "int8"),
     )
+    moshi_kv_layout: str = _opt(
+        "paged",
+        "moshi engine, live attention: the LM's KV in pages a call takes as it ages and gives back at"
+        " its end, a slot reserving only its floor (paged), or a ring of the whole context reserved"
+        " for every slot from its first frame (ring); prompted models and guidance keep the ring"
+        " (docs/moshi-engine.md, Paged KV)",
+        ("paged", "ring"),
+    )
+    moshi_kv_floor_s: float = _opt(
+        60.0,
+        "moshi engine, paged KV: the context every slot is promised (seconds, in whole pages of 512"
+        " frames): the slot count is what these floors fit, and when the pages run out a call stops"
+        " growing there (never ended), counted and logged",
+    )
+    moshi_kv_pages: int = _opt(
+        0,
+        "moshi engine, paged KV: the pool's pages, the sink page included (0: every byte the memory"
+        " plan leaves on a GPU, every slot's full context on the CPU); at least 1 + slots x floor pages",
+    )
     moshi_mimi_attention: str = _opt(
         "live",
         "moshi engine: Mimi's transformers attend over their ring with one small kernel a layer (live:"

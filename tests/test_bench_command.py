@@ -162,11 +162,15 @@ def test_moshi_step_sass_reads_the_int8_kernels_loop():
 
     parser = argparse.ArgumentParser()
     moshi_step.add_arguments(parser)
-    (row,) = moshi_step.cmd_sass(parser.parse_args(["sass", "--kv-dtype", "int8"]))
-    opcodes = dict(row["top_opcodes"])
-    assert row["kernel"] == "512/16/1/3/mma" and row["stack_bytes"] == 0 and opcodes["HMMA"] > 0
-    assert row["loop_skippable"] > 0
-    assert row["loop_common_path"] + row["loop_skippable"] == row["loop_instructions"]
+    ring, paged = moshi_step.cmd_sass(parser.parse_args(["sass", "--kv-dtype", "int8"]))
+    for row in (ring, paged):
+        opcodes = dict(row["top_opcodes"])
+        assert row["kernel"] == "512/16/1/3/mma" and row["stack_bytes"] == 0 and opcodes["HMMA"] > 0
+        assert row["loop_skippable"] > 0
+        assert row["loop_common_path"] + row["loop_skippable"] == row["loop_instructions"]
+    # paged KV: a chunk's page found before the loop, the loop no longer than the ring's
+    assert (ring["paged"], paged["paged"]) == (False, True)
+    assert paged["loop_instructions"] <= ring["loop_instructions"]
 
 
 def test_moshi_step_moves_times_a_slots_export_and_import_at_each_age():
@@ -179,8 +183,8 @@ def test_moshi_step_moves_times_a_slots_export_and_import_at_each_age():
     args = ["moves", "--preset", "tiny", "--batches", "2", "--ages", "4,14,100", "--context", "64"]
     young, older, full = moshi_step.cmd_moves(parser.parse_args([*args, "--steps", "1"]))
     per_frame = 2 * 2 * 64 * 4  # layers x K and V x dim x float32
-    assert abs(older["bytes"] - young["bytes"] - 10 * per_frame) < 64
-    assert abs(full["bytes"] - young["bytes"] - (64 - 4) * per_frame) < 64
+    assert abs(older["bytes"] - young["bytes"] - 10 * per_frame) <= 64  # the header, padded to 8 bytes
+    assert abs(full["bytes"] - young["bytes"] - (64 - 4) * per_frame) <= 64
     assert all(row[key] > 0 for row in (young, older) for key in ("export_ms", "import_ms", "step_ms"))
 
 
@@ -243,3 +247,43 @@ def test_moshi_first_traffic_runs_against_a_fresh_server_at_its_defaults(tmp_pat
     assert run["startup_s"] > 0 and run["steps"] > 0
     assert set(run["steps_over_ms"]) == {"80", "100", "200"}
     assert run["late_frames"] == run["burst_late_frames"] + run["walk_late_frames"]
+
+
+def test_moshi_rtf_mixed_draws_long_tailed_calls_that_keep_about_n_open():
+    """``--mixed-mean-s``: lognormal lengths of that mean (a tail past three times it), Poisson
+    arrivals keeping about N open, calls cut at the run's end."""
+    import numpy as np
+
+    from duplexserve.bench.moshi import mixed_calls, peak_live
+
+    calls = mixed_calls(200, 480.0, 180.0, 1.0, seed=0)
+    starts, lengths = np.array(calls).T
+    assert (starts[:200] < 2.0).all() and (starts + lengths <= 480.0 + 1e-9).all() and lengths.min() >= 1.0
+    open_at = [((starts <= t) & (starts + lengths > t)).sum() for t in (120, 240, 360)]
+    assert all(150 < n < 250 for n in open_at), open_at
+    assert 200 <= peak_live(calls) < 260
+    uncut = np.array(mixed_calls(200, 1e6, 180.0, 1.0, seed=0))[:, 1]  # nothing cut: the draw itself
+    assert 160 < uncut.mean() < 200 and (uncut > 600).mean() > 0.02
+
+
+def test_moshi_rtf_mixed_runs_calls_of_many_lengths_through_the_server(tmp_path):
+    """A mixed run against the synthetic engine: every call streams its own length to the end,
+    none refused, and the summary says what the workload was."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rtf.jsonl"
+    argv = ["moshi-rtf", "--synthetic-step-ms", "5", "--sessions", "3", "--seconds", "6",
+            "--mixed-mean-s", "2", "--slots", "12", "--port", str(port), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "duplexserve", "bench", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--max-sessions 12" in done.stdout.splitlines()[0]
+    (run,) = [json.loads(line) for line in out.read_text().splitlines()]
+    mixed = run["mixed"]
+    assert mixed["calls"] > 3 and mixed["slots"] == 12 and mixed["length_s_max"] <= 6
+    assert run["complete_sessions"] == mixed["calls"] and not run["errors"] and run["sessions_refused"] == 0
+    assert run["kv_context_stops"] == 0

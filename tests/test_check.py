@@ -55,7 +55,9 @@ def test_the_tiny_preset_on_the_cpu():
     assert report["problems"] == "none"  # text with the toy tokenizer, and no prompts to refuse
     # 2 layers x K and V x 200 frames x 64 values x 4 bytes (float32 on the CPU)
     assert report["kv ring"].startswith("200.0 KiB a slot: 2 layers x K,V x 200 frames x 64 values x 4 B")
-    assert report["memory"].startswith("the CPU does not size slots by memory: 8 slots x 200.0 KiB of KV")
+    # paged: one page of 256 frames holds the 200 of the context; on the CPU every slot holds it whole
+    assert report["kv pages"].startswith("paged (--moshi-kv-layout paged): pages of 256 frames, 256.0 KiB")
+    assert report["memory"].startswith("the CPU does not size slots by memory: 8 slots x 256.0 KiB of KV")
     assert report["result"] == "serve would start with these options"
     if not os.path.exists("/dev/nvidiactl"):
         assert report["gpus"] == "none (no NVIDIA driver: /dev/nvidiactl is missing)"
@@ -147,7 +149,7 @@ def test_the_plan_on_a_gpu():
     import torch
 
     def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
-        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions)
+        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions, moshi_kv_layout="ring")
         lines: dict[str, str] = {}
         machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
         problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
@@ -168,6 +170,32 @@ def test_the_plan_on_a_gpu():
     lines, problems = report(AUTO_SESSIONS, 4)
     assert lines["memory"].startswith(f"GPU 0, after the weights: {auto} slots x") and problems == []
     assert report(AUTO_SESSIONS, 2.5)[1][0].what == "--max-sessions auto: no slot fits on GPU 0"
+
+
+def test_the_paged_plan_on_a_gpu_counts_floors_and_gives_the_pool_the_rest():
+    """Paged KV (the default): a slot costs its floor's pages, auto admits what the floors fit, a
+    count past them is refused with the fix, and the report gives the pool's pages; the tiny
+    preset's 200-frame context is one 256-frame page."""
+    import torch
+
+    def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
+        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions)
+        lines: dict[str, str] = {}
+        machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
+        problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
+        return lines, problems
+
+    weights = weight_bytes(resolve_model(ServerConfig(engine="moshi")), "bfloat16").total
+    page = 2 * 2 * 256 * 64 * 2  # the tiny LM's bf16 K and V for 256 frames, every layer
+    auto = (4 * GIB - weights - RESERVE - page - LOAD_SLACK) // (page + OTHER_PER_SLOT)
+    lines, problems = report(AUTO_SESSIONS, 4)
+    assert problems == [] and lines["auto"].startswith(f"--max-sessions auto would pick {auto} (")
+    assert "(bfloat16 paged KV floor 1 x 256 frames" in lines["memory"]
+    spare = 4 * GIB - weights - RESERVE - auto * OTHER_PER_SLOT
+    assert f"KV pool {min(1 + auto, spare // page)} pages of 0.1 MiB" in lines["memory"]
+    lines, problems = report(auto + 40, 4)
+    assert problems[0].what.startswith(f"--max-sessions {auto + 40} does not fit on GPU 0")
+    assert "lower --moshi-kv-floor-s" in problems[0].fix
 
 
 def test_a_prompted_models_plan_counts_its_prompt_cache_and_prefill_row():

@@ -229,13 +229,15 @@ def test_the_memory_plan_refuses_what_cannot_fit_with_the_numbers():
     MemoryPlan(384, "int8", int8, free).check()
 
 
+@pytest.mark.parametrize("kv_layout", ["ring", "paged"])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
-def test_the_memory_plan_counts_the_grouped_rings_the_engine_allocates(kv_dtype):
+def test_the_memory_plan_counts_the_grouped_rings_the_engine_allocates(kv_dtype, kv_layout):
     """tiny-zero's rings (moshi's and ``QuantRing``) hold its KV heads, half its query
-    heads, with one scale per slot and KV head: what ``kv_bytes_per_slot`` plans."""
-    from duplexserve.engine_bridge.moshi.memory import kv_bytes_per_slot
+    heads, with one scale per slot and KV head: what ``kv_bytes_per_slot`` plans; paged, its
+    pools hold the pages the plan's ``Paging`` counts (here every slot's context and the sink)."""
+    from duplexserve.engine_bridge.moshi.memory import Paging, kv_bytes_per_slot
 
-    engine = MoshiEngine(2, "tiny-zero", threads=1, kv_dtype=kv_dtype)
+    engine = MoshiEngine(2, "tiny-zero", threads=1, kv_dtype=kv_dtype, kv_layout=kv_layout, kv_page=64)
     engine.start()
     try:
         layers = engine.lm_gen.lm_model.transformer.layers
@@ -243,8 +245,15 @@ def test_the_memory_plan_counts_the_grouped_rings_the_engine_allocates(kv_dtype)
         tensors = [t for ring in rings for t in (ring.cache, getattr(ring, "scale", None)) if t is not None]
         a = layers[0].self_attn
         planned = kv_bytes_per_slot(len(layers), a.embed_dim, a.num_heads, a.context, kv_dtype, 4, 2)
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        if kv_layout == "paged":
+            paging = Paging.of(planned, a.context, 60.0, 64)
+            assert rings[0].cache.shape[2] == a.num_heads // 2  # [2, pages, heads, PAGE, D]
+            assert engine.pages.pages == 1 + 2 * paging.context_pages
+            assert held == engine.pages.pages * paging.page_bytes
+            return
         assert a.kv_repeat == 2 and rings[0].cache.shape[2] == a.num_heads // 2  # [2, B, heads, C, D]
-        assert sum(t.numel() * t.element_size() for t in tensors) == 2 * planned
+        assert held == 2 * planned
     finally:
         engine.stop()
 

@@ -119,6 +119,9 @@ def assert_same(got: list, want: list) -> None:
         ("tiny-hibiki", {"cfg_coef": 3.0}, 6, 10),  # guidance: each slot's rows twice
         ("tiny-zero", {}, CONTEXT + 2, None),
         ("tiny-zero", {"slots": SLOTS + 2}, 5, None),  # into an engine of more slots
+        ("tiny", {"kv_layout": "ring"}, CONTEXT + 4, None),  # the ring's rows (paged is the default)
+        ("tiny", {"kv_page": 4}, CONTEXT + 4, None),  # paged KV in pages of 4: a row's pages read back
+        ("tiny", {"kv_page": 4, "kv_dtype": "int8"}, 7, None),  # ... mid-page, the scales too
     ],
 )
 def test_a_moved_session_answers_as_an_unmoved_one(preset, kwargs, k, end):
@@ -179,6 +182,7 @@ def exported() -> bytes:
         ("tiny-zero", {}, "family"),
         ("tiny", {"context": 2 * CONTEXT}, "context"),
         ("tiny", {"kv_dtype": "int8"}, "kv_dtype"),
+        ("tiny", {"kv_layout": "ring"}, "kv_layout"),  # a row's state holds the ring's own offsets
         ("tiny", {"seed": 1}, "weights"),
     ],
 )

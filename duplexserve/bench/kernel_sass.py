@@ -21,7 +21,7 @@ from typing import Any
 
 # the arguments that are multiples of 16 (bytes, or elements) as the H200 runs had them (D 128, C 3000)
 _BY_16 = {
-    "Q", "K", "V", "K_SCALE", "V_SCALE", "LENGTHS", "PART_OUT", "PART_MAX", "PART_SUM",
+    "Q", "K", "V", "K_SCALE", "V_SCALE", "LENGTHS", "PART_OUT", "PART_MAX", "PART_SUM", "TABLE",
     "stride_kb", "stride_kh", "stride_kc", "stride_vb", "stride_vh", "stride_vc", "stride_ksb", "stride_vsb",
 }  # fmt: skip
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -50,9 +50,12 @@ def compile_sm90(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def loop_counts(kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16) -> dict[str, Any]:
+def loop_counts(
+    kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16, paged: bool = False
+) -> dict[str, Any]:
     """Registers, stack, shared memory and the main loop's instructions (all, the common path,
-    the most frequent opcodes of it) of the tensor-core partials kernel for ``kv_dtype``."""
+    the most frequent opcodes of it) of the tensor-core partials kernel for ``kv_dtype``, reading
+    a ring or (``paged``) a page pool through a block table (paged_kv.py)."""
     import triton
 
     from duplexserve.engine_bridge.moshi import live_attention
@@ -60,7 +63,10 @@ def loop_counts(kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16
     kernel = live_attention._partials_int8_mma if kv_dtype == "int8" else live_attention._partials_mma
     ring = "*i8" if kv_dtype == "int8" else "*bf16"
     constexprs = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": head_dim, "GROUP": group}
-    types = ["*bf16", ring, ring, "*bf16", "*bf16", "*i32", "*fp32", "*fp32", "*fp32", *["i32"] * 13, "fp32"]
+    constexprs["PAGED"] = paged
+    # Q, K, V, the scales, LENGTHS, the partials, TABLE; its stride, 10 strides and 3 counts; the scale
+    types = ["*bf16", ring, ring, "*bf16", "*bf16", "*i32", "*fp32", "*fp32", "*fp32", "*i32"]
+    types += [*["i32"] * 14, "fp32"]
     options = {"num_warps": config.warps, "num_stages": config.stages}
     compiled = compile_sm90(kernel, types, constexprs, options, _BY_16)
     cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
@@ -89,6 +95,7 @@ def loop_counts(kv_dtype: str, config: Any, head_dim: int = 128, group: int = 16
     return {
         "kv_dtype": kv_dtype,
         "kernel": str(config),
+        "paged": paged,
         "registers": int(registers.group(1)) if registers else None,
         "stack_bytes": int(stack.group(1)) if stack else None,
         "shared_bytes": compiled.metadata.shared,

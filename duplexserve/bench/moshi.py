@@ -364,10 +364,56 @@ async def run_clients(url: str, sessions: int, seconds: float, message_ms: int, 
     return results
 
 
+def mixed_calls(
+    live: int, seconds: float, mean_s: float, sigma: float, seed: int
+) -> list[tuple[float, float]]:
+    """A long-tailed workload of about ``live`` calls at once over ``seconds``: (start, length) of
+    each call, lengths lognormal with mean ``mean_s`` (``sigma`` the log's spread: 1.0 puts about
+    5% of the calls past 3x the mean), ``live`` of them at the start (spread over 2 s) and then
+    Poisson arrivals at ``live / mean_s`` a second, which keep about ``live`` open. A call still
+    going at the run's end is cut there (counted in the summary)."""
+    rng = np.random.default_rng(seed)
+    mu = np.log(mean_s) - sigma**2 / 2  # a lognormal's mean is exp(mu + sigma^2 / 2)
+    starts = list(2.0 * np.arange(live) / max(live, 1))
+    t = 0.0
+    while True:
+        t += rng.exponential(mean_s / live)
+        if t >= seconds - 1.0:
+            break
+        starts.append(t)
+    lengths = rng.lognormal(mu, sigma, len(starts))
+    return [(s, float(max(1.0, min(n, seconds - s)))) for s, n in zip(starts, lengths, strict=True)]
+
+
+async def run_mixed_clients(url: str, calls: list[tuple[float, float]], message_ms: int) -> list[dict]:
+    """``mixed_calls``'s calls, each streaming its length of audio from its start on the run's clock."""
+    longest = max(n for _, n in calls)
+    noise = np.random.default_rng(1).standard_normal(int(longest / FRAME_S) * FRAME) * 0.05
+    audio = noise.astype(np.float32)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.5
+    results: list[dict] = [{} for _ in calls]
+    tasks = [
+        one_session(url, audio[: int(n / FRAME_S) * FRAME], t0 + start, message_ms // 80, result)
+        for (start, n), result in zip(calls, results, strict=True)
+    ]
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    for r, d in zip(results, done, strict=True):
+        if isinstance(d, BaseException):
+            r.setdefault("error", repr(d))
+    return results
+
+
+def peak_live(calls: list[tuple[float, float]]) -> int:
+    """The most calls open at once."""
+    edges = sorted([(s, 1) for s, _ in calls] + [(s + n, -1) for s, n in calls])
+    return int(np.max(np.cumsum([d for _, d in edges]))) if edges else 0
+
+
 #: The engine options moshi-rtf passes on: its own name (``--kv-dtype``) and serve's
 #: (``--moshi-kv-dtype``) both set it, the value goes to serve as ``moshi_<name>``.
 ENGINE_OPTIONS = (
-    "context", "attention", "kv_dtype", "depformer",
+    "context", "attention", "kv_dtype", "kv_layout", "kv_floor_s", "depformer",
     "mimi_attention", "fp32_matmul", "mimi_graph", "mimi_convs", "compile",
 )  # fmt: skip
 
@@ -387,7 +433,7 @@ def serve_arguments(args: argparse.Namespace) -> list[str]:
             if getattr(args, name) != getattr(defaults, f"moshi_{name}"):
                 engine += [f"--moshi-{name.replace('_', '-')}", str(getattr(args, name))]
     return [
-        "serve", *engine, "--max-sessions", str(max(args.sessions)),
+        "serve", *engine, "--max-sessions", str(args.slots or max(args.sessions)),
         *(["--engine-process"] if args.engine_process else []),
         *(["--engine-tick-ms", f"{args.tick_ms:g}"] if args.tick_ms != defaults.engine_tick_ms else []),
         *(["--engine-gather", args.gather] if args.gather != defaults.engine_gather else []),
@@ -456,9 +502,13 @@ def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, star
     timeline.samples.append(before)
     timeline.start()
     wall0 = time.perf_counter()
-    results = runner(
-        run_clients(f"ws://127.0.0.1:{port}/v1/duplex", sessions, args.seconds, args.message_ms, 2.0)
-    )
+    url = f"ws://127.0.0.1:{port}/v1/duplex"
+    calls = None
+    if args.mixed_mean_s:
+        calls = mixed_calls(sessions, args.seconds, args.mixed_mean_s, args.mixed_sigma, args.mixed_seed)
+        results = runner(run_mixed_clients(url, calls, args.message_ms))
+    else:
+        results = runner(run_clients(url, sessions, args.seconds, args.message_ms, 2.0))
     wall = time.perf_counter() - wall0
     timeline.stopped.set()
     client_cpu = time.process_time() - c0
@@ -563,7 +613,21 @@ def _run_once(args: argparse.Namespace, sessions: int, port: int, pid: int, star
         "sessions_with_late_frames": sum(1 for r in ok if (r["lateness"] > 0).any()),
         "late_frames_from_end": _late_from_end(ok, 8),
         "late_frames_by_start_order": _late_by_start(ok, 8),
+        "kv_layout": args.kv_layout,
+        "kv_floor_s": args.kv_floor_s,
+        "kv_context_stops": delta("duplexserve_engine_kv_context_stops_total"),
+        "sessions_refused": delta("duplexserve_sessions_rejected_total"),
     }
+    if calls is not None:  # the long-tailed workload: its calls, and whether every one held
+        lengths = np.array([n for _, n in calls])
+        summary["mixed"] = {
+            "mean_s": args.mixed_mean_s, "sigma": args.mixed_sigma, "seed": args.mixed_seed,
+            "calls": len(calls), "slots": args.slots or sessions, "peak_live": peak_live(calls),
+            "length_s_p50": pct(lengths, 50), "length_s_p90": pct(lengths, 90),
+            "length_s_max": float(lengths.max()),
+            "calls_past_4_min": int((lengths > 240).sum()),
+            "cut_at_run_end": sum(1 for s, n in calls if s + n >= args.seconds - 1e-6),
+        }  # fmt: skip
     print(json.dumps(summary), flush=True)
     return summary
 
@@ -606,6 +670,10 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--context", "--moshi-context", type=int, default=0)
     r.add_argument("--attention", "--moshi-attention", default="live", choices=("live", "stock"))
     r.add_argument("--kv-dtype", "--moshi-kv-dtype", default="bf16", choices=("bf16", "int8"))
+    r.add_argument(
+        "--kv-layout", "--moshi-kv-layout", default=ServerConfig.moshi_kv_layout, choices=("paged", "ring")
+    )
+    r.add_argument("--kv-floor-s", "--moshi-kv-floor-s", type=float, default=ServerConfig.moshi_kv_floor_s)
     r.add_argument("--depformer", "--moshi-depformer", default="lean", choices=("stock", "lean"))
     r.add_argument("--mimi-attention", "--moshi-mimi-attention", default="live", choices=("live", "stock"))
     r.add_argument("--fp32-matmul", "--moshi-fp32-matmul", default="float32", choices=("float32", "tf32"))
@@ -651,6 +719,18 @@ def add_rtf_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--runs", type=int, default=1, help="runs one after another on one server (a JSON line each in --out)"
     )
+    r.add_argument(
+        "--slots", type=int, default=0, help="the server's --max-sessions (0: the largest --sessions)"
+    )
+    r.add_argument(
+        "--mixed-mean-s",
+        type=float,
+        default=0.0,
+        help="a long-tailed workload instead of N equal sessions: lognormal call lengths of this mean,"
+        " Poisson arrivals keeping about N (--sessions) open over --seconds (0: off)",
+    )
+    r.add_argument("--mixed-sigma", type=float, default=1.0, help="the lognormal's spread (of the log)")
+    r.add_argument("--mixed-seed", type=int, default=0)
     r.add_argument("--port", type=int, default=18990)
     r.add_argument("--server-log", default="")
     r.add_argument("--out", default="")

@@ -750,7 +750,8 @@ def cmd_mimi(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def cmd_sass(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The tensor-core ring kernel for ``--kv-dtype`` at each of ``--kernels`` (default the
-    engine's), compiled for sm_90 on this machine: its main loop's instructions."""
+    engine's), compiled for sm_90 on this machine: its main loop's instructions; reading a ring,
+    then a page pool (paged KV: only where a chunk starts differs)."""
     from duplexserve.bench.kernel_sass import loop_counts
     from duplexserve.engine_bridge.moshi.live_attention import DEFAULT, DEFAULT_INT8, KernelConfig
 
@@ -758,9 +759,10 @@ def cmd_sass(args: argparse.Namespace) -> list[dict[str, Any]]:
     configs = [KernelConfig.parse(k) for k in args.kernels.split(",")] if args.kernels else [default]
     rows = []
     for config in configs:
-        row = loop_counts(args.kv_dtype, config)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for paged in (False, True):
+            row = loop_counts(args.kv_dtype, config, paged=paged)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 

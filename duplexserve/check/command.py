@@ -19,7 +19,7 @@ import duplexserve
 from duplexserve.check.machine import GIB, Torch, driver_gpus, host_available, probe_torch
 from duplexserve.check.model import Model, ModelError, checkpoint_named, resolve_model
 from duplexserve.check.model_source import add_model_argument
-from duplexserve.check.plan import DTYPE_BYTES, LOAD_SLACK, auto_slots, kv_per_slot, lm_dtype, plan
+from duplexserve.check.plan import DTYPE_BYTES, LOAD_SLACK, auto_slots, kv_per_slot, lm_dtype, paging, plan
 from duplexserve.check.requirements import (
     INSTALL_MOSHI,
     Problem,
@@ -131,6 +131,12 @@ def _moshi(config: ServerConfig, torch: Torch, line: Line) -> list[Problem]:
     dtype = lm_dtype(config, on_gpu)
     kv = kv_per_slot(config, model, dtype)
     line("kv ring", f"{_size(kv)} a slot: {_kv_formula(config, model, dtype)}")
+    paged = paging(config, model, kv)
+    if paged is not None:
+        line("kv pages", f"paged (--moshi-kv-layout paged): pages of {paged.page} frames, "
+                         f"{_size(paged.page_bytes)} each; a slot reserves its floor of {paged.floor_pages} "
+                         f"(--moshi-kv-floor-s {config.moshi_kv_floor_s:g}), a call takes more as it ages, "
+                         f"up to the {paged.context_pages} of the full context, given back at its end")
     if not imports:
         line("memory", "no plan: the weights are counted with torch and moshi")
         return found_problems
@@ -160,17 +166,22 @@ def memory_plan(config: ServerConfig, model: Model, torch: Torch, on_gpu: bool, 
         line("memory", f"{_size(memory.per_slot)} a slot; no usable GPU {index} to fit them in")
         return []
     if gpu is None:
-        need = memory.slots * memory.kv_per_slot + weights.total
         host = f"{_size(free)} available" if free else "available memory unknown"
+        kv, per_slot, sink = "KV ring", memory.kv_per_slot, ""
+        if memory.paging:  # on the CPU the pool holds every slot's full context, and the sink page
+            kv, per_slot = "KV pages", memory.paging.context_pages * memory.paging.page_bytes
+            sink = f" + a {_size(memory.paging.page_bytes)} sink page"
+        need = memory.slots * per_slot + weights.total + (memory.paging.page_bytes if memory.paging else 0)
         line("memory", f"the CPU does not size slots by memory: {memory.slots} slots x "
-                       f"{_size(memory.kv_per_slot)} of KV ring + the weights = {_size(need)} ({host})")
+                       f"{_size(per_slot)} of {kv}{sink} + the weights = {_size(need)} ({host})")
         line("auto", "--max-sessions auto sizes by GPU memory: on the CPU give a number")
         return []
     auto = auto_slots(memory)
     line("memory", f"GPU {index}, after the weights: {memory.describe()}")
     line("auto", f"--max-sessions auto would pick {auto} (keeping {LOAD_SLACK >> 20} MiB for what loading "
                  "leaves)")
-    smaller = "shorten --moshi-context or use --moshi-kv-dtype int8"
+    smaller = "lower --moshi-kv-floor-s" if memory.paging else "shorten --moshi-context"
+    smaller += " or use --moshi-kv-dtype int8"
     if config.max_sessions == AUTO_SESSIONS and auto < 1:
         return [Problem(f"--max-sessions auto: no slot fits on GPU {index}", f"free the GPU, {smaller}")]
     if config.max_sessions != AUTO_SESSIONS and memory.needed > memory.free:

@@ -20,7 +20,7 @@ from typing import Any
 from duplexserve.check.model import Model
 from duplexserve.config import AUTO_SESSIONS, ServerConfig
 from duplexserve.engine_bridge.moshi.families import get_family
-from duplexserve.engine_bridge.moshi.memory import MemoryPlan, fixed_bytes, kv_bytes_per_slot
+from duplexserve.engine_bridge.moshi.memory import MemoryPlan, Paging, fixed_bytes, kv_bytes_per_slot
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 #: What loading leaves on the GPU beyond the weights (the allocator's rounding of a thousand
@@ -57,6 +57,17 @@ def kv_per_slot(config: ServerConfig, model: Model, dtype: str) -> int:
                              branches=1 if config.moshi_cfg_coef == 1.0 else 2)
 
 
+def paging(config: ServerConfig, model: Model, kv: int) -> Paging | None:
+    """Paged KV's sizes where the engine would page (``MoshiEngine._paged_kv``: live attention, no
+    prompt prefill, no guidance), from ``kv``, a full context's bytes a slot; else None (a ring)."""
+    if (
+        config.moshi_kv_layout != "paged" or config.moshi_attention != "live"
+        or get_family(model.model_type).prompted or config.moshi_cfg_coef != 1.0
+    ):  # fmt: skip
+        return None
+    return Paging.of(kv, model.lm["context"], config.moshi_kv_floor_s)
+
+
 def weight_bytes(model: Model, dtype: str) -> Weights:
     """The model's parameters and buffers, built on the meta device (imports torch and moshi).
 
@@ -82,7 +93,10 @@ def plan(config: ServerConfig, model: Model, free: int, on_gpu: bool) -> tuple[W
     label = "int8" if config.moshi_kv_dtype == "int8" and config.moshi_attention == "live" else dtype
     kv = kv_per_slot(config, model, dtype)
     fixed = fixed_bytes(get_family(model.model_type).prompted, config.prompt_cache_mb * 2**20, kv)
-    memory = MemoryPlan(config.max_sessions, label, kv, free - weights.total, fixed)
+    paged = paging(config, model, kv)
+    if paged is not None:  # a slot reserves its floor's pages; the pool is the rest (memory.py)
+        kv = paged.floor_pages * paged.page_bytes
+    memory = MemoryPlan(config.max_sessions, label, kv, free - weights.total, fixed, paged)
     if config.max_sessions == AUTO_SESSIONS:
         memory = dataclasses.replace(memory, slots=auto_slots(memory))
     return weights, memory

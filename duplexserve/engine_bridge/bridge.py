@@ -147,6 +147,7 @@ class BridgeCounts:
     engine_errors: int = 0
     output_failures: int = 0  # sessions ended because their output could not be rendered
     engine_restarts: int = 0
+    kv_context_stops: int = 0  # calls whose KV context stopped growing (StepResult.kv_stops)
     gil_wait_s: float = 0.0  # the steps' answers' waits for the GIL, together (Engine.gil_wait_s)
     gil_wait_max_s: float = 0.0  # the largest since the overload manager last took it
     #: Sessions ended by restarts, per cause (:data:`RESTART_CAUSES`): every session the
@@ -614,6 +615,7 @@ class EngineBridge:
             self.counts.gil_wait_max_s = wait
         self.counts.steps += 1
         self.counts.frames_stepped += len(slots)
+        self.counts.kv_context_stops += result.kv_stops
         if catch_up:
             self.counts.catch_up_steps += 1
             self.counts.catch_up_frames += len(slots)

@@ -25,6 +25,9 @@ class StepResult:
     #: Rows whose output could not be rendered (a text piece the tokenizer raised on): their
     #: sessions end with ``internal_error``, the others' outputs of the step go out as usual.
     failed: list[int] | None = None
+    #: Calls whose KV context stopped growing at this step for want of memory (paged KV): they go
+    #: on at the context they hold (docs/moshi-engine.md, Paged KV).
+    kv_stops: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,8 +191,8 @@ class ProcessEngine(Engine):
         n = len(slots)
         if frames.base is not self._in:  # not gathered into the shared buffer already
             self._in[:n] = frames
-        text, finished, failed, self.child_step_s = self._call(("step", slots))
-        return StepResult(_copy_kept(self._out[:n]), text, finished, failed)
+        text, finished, failed, kv_stops, self.child_step_s = self._call(("step", slots))
+        return StepResult(_copy_kept(self._out[:n]), text, finished, failed, kv_stops)
 
     def stop(self) -> None:
         self._stop_child()
@@ -324,7 +324,8 @@ def _child_main(conn: Connection, config: ServerConfig, shm_names: list[str], sp
                     result = engine.step(slots, frames_in[: len(slots)])
                     frames_out[: len(slots)] = result.audio
                     took = time.perf_counter() - began
-                    conn.send(("ok", (result.text, result.finished, result.failed, took), time.monotonic()))
+                    reply = (result.text, result.finished, result.failed, result.kv_stops, took)
+                    conn.send(("ok", reply, time.monotonic()))
                 elif kind == "prompt":
                     assert engine is not None
                     engine.prompt(message[1], message[2])

@@ -100,6 +100,8 @@ class ServerCollector(Collector):
              bridge.gather_wait_s),
             ("engine_errors", "engine failures", bridge.engine_errors),
             ("engine_restarts", "engine restarts after a failure or a stall", bridge.engine_restarts),
+            ("engine_kv_context_stops", "calls whose KV context stopped growing for want of memory (paged"
+             " KV; they go on at the context they hold)", bridge.kv_context_stops),
         ):
             yield CounterMetricFamily(f"duplexserve_{name}", help_text, value=value)
         by_reason = CounterMetricFamily(

@@ -7,8 +7,9 @@ graphs replay. Slots without a frame this step are masked by the exec mask (one 
 tensor that every streaming state reads; their state does not move); a slot is reset
 with ``reset_streaming(mask)`` when a session opens in it, so nothing of the previous
 occupant survives. The LM's temporal attention reads each row's live prefix of its KV
-ring only (``live_lm.py``), optionally from an 8-bit ring, and the ring is sized against
-the GPU's free memory before it is allocated (``memory.py``).
+only (``live_lm.py``), optionally in 8 bits; the KV is paged by default (``paged_kv.py``: a
+call takes pages as it ages, a slot reserves only its floor) or a ring a slot, and is sized
+against the GPU's free memory before it is allocated (``memory.py``).
 
 The LM answers with a delay (``max(delays)`` frames: 1 for Moshi, 2 for Hibiki). With
 ``support_out_of_sync`` each slot keeps its own clock, and the rows still inside
@@ -38,7 +39,15 @@ from duplexserve.engine_bridge.engine import Engine, MoveRefused, PromptError, S
 from duplexserve.engine_bridge.moshi.capture_plan import CapturePlan
 from duplexserve.engine_bridge.moshi.checkpoint import CheckpointSource, preset_checkpoint, resolve_checkpoint
 from duplexserve.engine_bridge.moshi.families import get_family
-from duplexserve.engine_bridge.moshi.memory import OTHER_PER_SLOT, MemoryPlan, fixed_bytes, kv_bytes_per_slot
+from duplexserve.engine_bridge.moshi.memory import (
+    FRAME_HZ,
+    OTHER_PER_SLOT,
+    MemoryPlan,
+    Paging,
+    fixed_bytes,
+    kv_bytes_per_slot,
+    page_frames,
+)
 from duplexserve.engine_bridge.moshi.presets import MOSHI_7B_LM, get_preset
 from duplexserve.engine_bridge.moshi.prompts import (
     Prompt,
@@ -127,6 +136,10 @@ class MoshiEngine(Engine):
         fp32_matmul: str = "float32",
         mimi_graph: str = "whole",
         mimi_convs: str = "fused",
+        kv_layout: str = "paged",
+        kv_floor_s: float = 60.0,
+        kv_page: int = 0,
+        kv_pages: int = 0,
     ) -> None:
         super().__init__(num_slots)
         source = CheckpointSource(hf_repo, weights, config, lora, tokenizer, preset)
@@ -174,6 +187,16 @@ class MoshiEngine(Engine):
         self.mimi_convs = mimi_convs
         if kv_dtype != "bf16" and attention != "live":
             raise ValueError(f"--moshi-kv-dtype {kv_dtype} needs --moshi-attention live")
+        if kv_layout not in ("paged", "ring"):
+            raise ValueError(f"--moshi-kv-layout {kv_layout!r}: paged or ring")
+        if not kv_floor_s > 0:
+            raise ValueError(f"--moshi-kv-floor-s {kv_floor_s}: a number of seconds above 0")
+        self.kv_layout = kv_layout  # what was asked; ``self.paged`` says what runs (start())
+        self.kv_floor_s = kv_floor_s
+        self.kv_page = kv_page  # frames a page (0: memory.page_frames, the kernel's chunk; tests: a few)
+        self.kv_pages = kv_pages  # pages of the pool (0: from memory, else every slot's full context)
+        self.paged = False
+        self.pages: Any = None  # paged_kv.PageTable
         lm_config = self.preset.lm if self.preset else self.checkpoint.lm_config  # type: ignore[union-attr]
         self.delay_frames = max((lm_config or MOSHI_7B_LM)["delays"])
         if cfg_coef != 1.0 and not (lm_config or {}).get("fuser"):
@@ -270,6 +293,7 @@ class MoshiEngine(Engine):
                     f"this LM cannot use live-prefix attention, which --moshi-kv-dtype {self.kv_dtype} needs"
                 )
             log.warning("moshi engine: this LM cannot use live-prefix attention; stock attention")
+        self.paged = self._paged_kv(lm)
         if self.attention == "live":  # the LM's and the depformer's RMSNorms, one kernel each on CUDA
             install_fused_norms(lm)
         compiled = device.type == "cuda" and self.compile == "on"
@@ -298,11 +322,16 @@ class MoshiEngine(Engine):
         self._eager = no_compile  # a prefill's shapes vary: compiled, each new one would compile anew
         phase("kernels")
         self._allocate(self.num_slots, phase)
+        kv = "KV ring a slot"
+        if self.pages is not None:
+            pages = self.pages
+            kv = f"paged KV: {pages.pages} pages of {self.kv_page} frames, a floor of {pages.floor} a slot"
         log.info(
-            "moshi engine ready: %s on %s, %d slots, delay %d frames, %.1f s (%s)",
+            "moshi engine ready: %s on %s, %d slots (%s), delay %d frames, %.1f s (%s)",
             self.preset.name if self.preset else self.source.hf_repo or self.source.weights,
             device,
             self.num_slots,
+            kv,
             self.delay_frames,
             time.perf_counter() - started,
             ", ".join(f"{name} {s:.1f} s" for name, s in self.start_phases.items()),
@@ -346,6 +375,8 @@ class MoshiEngine(Engine):
             plan = self._memory_plan(b)
             log.info("moshi engine memory: %s", plan.describe())
             plan.check()
+        if self.paged:
+            self._page_table(b, plan)
         self.lm_gen.condition_tensors = self._condition_tensors(self.lm_gen.lm_model, b)
         with torch.no_grad():
             self.mimi.streaming_forever(b)
@@ -370,7 +401,10 @@ class MoshiEngine(Engine):
                 self._prefill_runner = Prefill(lm, graphs=self.cuda_graphs)
         self._slots = slots
         self._rows = RowBuckets(modules, slots, bucket_sizes(b))
-        self._prefix_moves(self._rows.views)
+        if self.pages is not None:  # a moved row's pages stay where they are: its table row moves
+            self._rows.on_move = self.pages.move
+        else:
+            self._prefix_moves(self._rows.views)
         with torch.no_grad(), self._no_compile():
             self._reset_rows = RowReset(slots, self.device, self.cuda_graphs)
         graphed = self.cuda_graphs and self.device.type == "cuda"
@@ -390,6 +424,8 @@ class MoshiEngine(Engine):
         if plan is not None:  # what the plan's allowance beyond the ring is measured against
             used = plan.free - self._torch.cuda.mem_get_info(self.device)[0]
             rings = (b + self.family.prompted) * plan.kv_per_slot  # the prefill's scratch row has one
+            if self.pages is not None:
+                rings = self.pages.pages * plan.paging.page_bytes  # type: ignore[union-attr]
             self.memory_in_use = (used, rings)
             log.info(
                 "moshi engine memory in use: %.1f GiB, %.1f MiB a slot beyond its ring (planned: %.0f; "
@@ -485,7 +521,46 @@ class MoshiEngine(Engine):
         )  # fmt: skip
         self._torch.cuda.empty_cache()  # what loading left in torch's cache is free for the ring
         fixed = fixed_bytes(self.family.prompted, self.prompt_cache_bytes, kv)
-        return MemoryPlan(slots, self.kv_dtype, kv, self._torch.cuda.mem_get_info(self.device)[0], fixed)
+        free = self._torch.cuda.mem_get_info(self.device)[0]
+        if not self.paged:
+            return MemoryPlan(slots, self.kv_dtype, kv, free, fixed)
+        paging = Paging.of(kv, attention.context, self.kv_floor_s, self.kv_page)
+        return MemoryPlan(slots, self.kv_dtype, paging.floor_pages * paging.page_bytes, free, fixed, paging)
+
+    def _paged_kv(self, lm: Any) -> bool:
+        """Whether the LM's KV is paged (paged_kv.py): asked for, on live attention, without a
+        prefill (prompted models write a prompt's keys into a ring row) or guidance (two rows a
+        session); else the ring, said once."""
+        if self.kv_layout != "paged":
+            return False
+        clock = getattr(lm.transformer, "_live_clock", None)
+        why = (
+            "the LM has no live-prefix attention" if clock is None
+            else "prompted models prefill a ring" if self.family.prompted
+            else "guidance runs two rows a session" if self.cfg_coef != 1.0
+            else None
+        )  # fmt: skip
+        if why is not None:
+            log.info("moshi engine: the LM's KV is a ring a slot (%s)", why)
+        return why is None
+
+    def _page_table(self, rows: int, plan: MemoryPlan | None) -> None:
+        """The rows' page table, handed to every layer before the pools are built: as many
+        pages as the plan leaves (or ``kv_pages``; on the CPU every row's full context)."""
+        from duplexserve.engine_bridge.moshi.paged_kv import PageTable
+
+        clock = self.lm_gen.lm_model.transformer._live_clock
+        context = clock.capacity
+        self.kv_page = self.kv_page or page_frames(context)
+        full = 1 + rows * -(-context // self.kv_page)
+        pages = self.kv_pages or (plan.pool_pages if plan is not None and plan.paging else full)
+        floor = round(self.kv_floor_s * FRAME_HZ)
+        pinned = self.device.type == "cuda"
+        self.pages = clock.pages = PageTable(rows, pages, self.kv_page, context, floor, self.device, pinned)
+        log.info(
+            "moshi engine: paged KV, %d pages of %d frames (%d full contexts of %d), a floor of %d pages"
+            " a slot", pages, self.kv_page, (pages - 1) // self.pages.per_row, context, self.pages.floor,
+        )  # fmt: skip
 
     def resize(self, num_slots: int) -> None:
         """Rebuild the streaming state for another slot count, keeping the weights (the
@@ -568,6 +643,8 @@ class MoshiEngine(Engine):
 
     def open(self, slot: int, params: dict[str, Any]) -> None:
         self._rows.map.open(slot)  # the lowest free row, reset before it next steps
+        if self.pages is not None:  # it holds no page yet; its floor is reserved
+            self.pages.open(int(self._rows.map.row_of[slot]))
         self._steps[slot] = 0
         self._eoi_at[slot] = -1
         self._lead[slot] = self.delay_frames
@@ -575,6 +652,9 @@ class MoshiEngine(Engine):
             self._unprompted.add(slot)
 
     def close(self, slot: int) -> None:
+        row = int(self._rows.map.row_of[slot])
+        if self.pages is not None and row >= 0:  # its pages back to the free list
+            self.pages.release(row)
         self._rows.map.close(slot)  # its row's state stays until an open resets it
         self._steps[slot] = 0
         self._eoi_at[slot] = -1
@@ -594,6 +674,8 @@ class MoshiEngine(Engine):
         if self.family.prompted and slot in self._unprompted:
             raise MoveRefused("move_not_now", f"slot {slot}'s prompt has not run yet: move it once it has")
         row = self._row_for_move(slot)
+        if self.pages is not None and self.pages.stopped[row]:  # its keys wrap inside fewer pages
+            raise MoveRefused("move_not_now", f"slot {slot}'s KV context stopped growing (paged KV ran out)")
         rings, rows = self._kv_rows(row)
         capacity, _ = slot_export.kv_layout(rings, self.num_slots)
         n = min(int(self.lm_gen.lm_model.transformer._streaming_state.offsets[row]), capacity)
@@ -674,6 +756,7 @@ class MoshiEngine(Engine):
             "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
             "mimi_dtype": str(next(self.mimi.parameters()).dtype).removeprefix("torch."),
             "kv_dtype": str(ring.cache.dtype).removeprefix("torch."),
+            "kv_layout": "paged" if self.pages is not None else "ring",  # a ring row has offsets of its own
             "context": int(kv_layout(rings, self.num_slots)[0]),
             "cfg_coef": self.cfg_coef,
             "delay": int(self.delay_frames),
@@ -848,9 +931,13 @@ class MoshiEngine(Engine):
             for slot in self._unprompted.intersection(slots.tolist()):
                 self.prompt(slot, {})
         moves = self._rows.moves
+        stops = self.pages.stops if self.pages is not None else 0
         with torch.no_grad(), self._no_compile():
             # the step runs rows [0, size), in a bucket whose graphs are captured
             rows, size, reset = self._rows.prepare(slots, self._capture.fit)
+            if self.pages is not None:  # a row about to write into a page it does not hold takes one
+                self.pages.grow(rows, self._steps[slots], slots)
+                self.pages.sync()
             self._mimi_encode, self._mimi_decode = self._mimi_fns[size]
             if reset is not None:
                 self._reset_rows(reset)
@@ -919,7 +1006,8 @@ class MoshiEngine(Engine):
                 *self._prompts_since_step,
             )  # fmt: skip
         self._prompts_since_step = [0, 0]
-        return StepResult(audio, text, finished, failed or None)
+        stopped = self.pages.stops - stops if self.pages is not None else 0
+        return StepResult(audio, text, finished, failed or None, stopped)
 
     def _refresh_lm_mask(self) -> None:
         """Under guidance the LM's modules read the slots' mask repeated (``_share_exec_mask``)."""
@@ -1078,4 +1166,7 @@ def moshi_engine_from_config(config: ServerConfig) -> MoshiEngine:
         fp32_matmul=config.moshi_fp32_matmul,
         mimi_graph=config.moshi_mimi_graph,
         mimi_convs=config.moshi_mimi_convs,
+        kv_layout=config.moshi_kv_layout,
+        kv_floor_s=config.moshi_kv_floor_s,
+        kv_pages=config.moshi_kv_pages,
     )

@@ -29,6 +29,7 @@ moshi instead copies the whole ring ``kv_repeat`` times in every layer of every 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -105,17 +106,23 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_quantized(
-    k: torch.Tensor, v: torch.Tensor, ring: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: torch.Tensor,
+    scales: torch.Tensor,
+    slot: torch.Tensor,
+    page: torch.Tensor | None = None,
 ) -> None:
     """``quantize`` this step's ``k`` and ``v`` (``[B, H, 1, D]``, ``H`` the KV heads) into slot
     ``slot[b]`` of each row of the int8 ring ``[2, B, H, C, D]`` and its scales ``[2, B, H, C]``, in one
-    kernel where the torch form takes a dozen small ones a layer."""
+    kernel where the torch form takes a dozen small ones a layer. With ``page`` the ring is a page
+    pool ``[2, pages, H, PAGE, D]`` (paged_kv.py) and row ``b`` writes page ``page[b]``."""
     b, h, _, d = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     _quantize_write[(b * h, 2)](
-        k, v, ring, scales, slot,
+        k, v, ring, scales, slot, slot if page is None else page,
         *k.stride()[:2], *v.stride()[:2], *ring.stride()[:4], *scales.stride(),
-        h, D=d, num_warps=1,
+        h, D=d, PAGED=page is not None, num_warps=1,
     )  # fmt: skip
 
 
@@ -134,6 +141,8 @@ def live_attention(
     lengths: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig | None = None,
+    table: torch.Tensor | None = None,
+    capacity: int = 0,
 ) -> torch.Tensor:
     """Attention of one query per row over the first ``lengths[b]`` slots of row ``b``.
 
@@ -142,13 +151,24 @@ def live_attention(
     ``h // (H / KV)``, moshi's grouping); ``lengths`` is ``[B]`` int32. A row of length 0
     gets zeros. With ``scales`` (key and value scales, ``[B, KV, C]`` each) the ring holds
     int8 and slot ``c`` of KV head ``g`` stands for ``ring * scale``, dequantized as it is read.
+
+    Paged (``table``, paged_kv.py): ``keys`` and ``values`` are page pools ``[pages, KV, PAGE, D]``
+    (scales ``[pages, KV, PAGE]``), slots ``[i * PAGE, (i + 1) * PAGE)`` of row ``b`` are page
+    ``table[b, i]``, and a row holds up to ``capacity`` slots: each program reads one page (the
+    chunk is the page), the kernels' only difference being where that chunk starts.
     """
     b, h, t, d = q.shape
     kv_heads = keys.shape[1]
     group = h // kv_heads
     assert t == 1 and group * kv_heads == h and keys.stride(-1) == 1 and values.stride(-1) == 1
     config = config or (DEFAULT if scales is None else DEFAULT_INT8)
-    capacity = keys.shape[2]
+    if table is None:
+        capacity, table = keys.shape[2], lengths  # the table unread
+    else:
+        config = dataclasses.replace(config, chunk=keys.shape[2])
+        assert table.dtype == torch.int32 and table.stride(1) == 1
+        assert table.shape[1] * config.chunk >= capacity
+    paged = table is not lengths
     splits = triton.cdiv(capacity, config.chunk)
     q2 = q.reshape(b * h, d) if q.is_contiguous() else q.contiguous().reshape(b * h, d)
     part_out = torch.empty((b * h, splits, d), device=q.device, dtype=torch.float32)
@@ -157,10 +177,10 @@ def live_attention(
     ring_strides = (*keys.stride()[:3], *values.stride()[:3])
     k_scale, v_scale = scales if scales is not None else (lengths, lengths)  # unread without scales
     scale_strides = (*k_scale.stride()[:2], *v_scale.stride()[:2]) if scales is not None else (0, 0, 0, 0)
-    args = (q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum,
+    args = (q2, keys, values, k_scale, v_scale, lengths, part_out, part_max, part_sum, table, table.stride(0),
             *ring_strides, *scale_strides, kv_heads, group, splits, 1.0 / math.sqrt(d))  # fmt: skip
     tiles = {"CHUNK": config.chunk, "BLOCK_N": config.block_n, "D": d, "GROUP": triton.next_power_of_2(group),
-             "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
+             "PAGED": paged, "num_warps": config.warps, "num_stages": config.stages}  # fmt: skip
     dots = config.read == "mma" and d >= 64 and config.block_n >= 16  # tl.dot's smallest operands
     dot_tiles = {**tiles, "GROUP": max(16, tiles["GROUP"])}  # the query block padded to tl.dot's 16 rows
     if scales is None and dots and keys.element_size() == 2:  # a bf16 (or float16) ring
@@ -187,17 +207,29 @@ if triton is not None:
     RESCALE_NATS = tl.constexpr(8.0)
 
     @triton.jit
-    def _chunk(LENGTHS, kv_heads, group, CHUNK: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _chunk(  # type: ignore[no-untyped-def]
+        LENGTHS, TABLE, stride_tb, kv_heads, group,
+        CHUNK: tl.constexpr, GROUP: tl.constexpr, PAGED: tl.constexpr,
+    ):  # fmt: skip
         """This program's row ``b``, KV head ``g``, chunk ``[start, end)`` of the row's live
         prefix, and the rows of ``Q`` (``[B * H, D]``) of the group's query heads (``used``:
-        the ``group`` real ones of ``GROUP``, its power of two)."""
+        the ``group`` real ones of ``GROUP``, its power of two); where the chunk's slots are:
+        ``page`` (the ring's row ``b``, or, ``PAGED``, the page the block table ``TABLE`` gives
+        chunk ``split`` of row ``b``: a page holds one chunk) and ``shift``, the slot the page
+        starts at (0 in a ring), so that slot ``n`` lies at offset ``n - shift`` of ``page``."""
         program = tl.program_id(0)  # b * kv_heads + g
         split = tl.program_id(1)
         b = program // kv_heads
         start = split * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(LENGTHS + b))
         r = tl.arange(0, GROUP)
-        return program * group + r, r < group, split, b, program % kv_heads, start, end
+        if PAGED:
+            page = tl.load(TABLE + b.to(tl.int64) * stride_tb + split, mask=start < end, other=0).to(tl.int64)
+            shift = start
+        else:
+            page = b.to(tl.int64)
+            shift = 0
+        return program * group + r, r < group, split, b, program % kv_heads, start, end, page, shift
 
     @triton.jit
     def _softmax_step(s, valid, m_i):  # type: ignore[no-untyped-def]
@@ -209,11 +241,15 @@ if triton is not None:
         return m_new, tl.exp(m_i - m_new), tl.exp(s - m_new[:, None])
 
     @triton.jit
-    def _start(K, V, b, g, stride_kb, stride_kh, stride_vb, stride_vh, D: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
-        """The ring kernels' common start: the (row, KV head)'s keys and values, and each query's
-        running softmax and value sum at their start."""
-        k_base = K + b.to(tl.int64) * stride_kb + g * stride_kh
-        v_base = V + b.to(tl.int64) * stride_vb + g * stride_vh
+    def _start(  # type: ignore[no-untyped-def]
+        K, V, page, shift, g, stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        D: tl.constexpr, GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """The ring kernels' common start: the (row or page, KV head)'s keys and values, where
+        slot ``n`` is at ``base + n * stride`` (``_chunk``'s ``shift`` taken off), and each
+        query's running softmax and value sum at their start."""
+        k_base = K + page * stride_kb + g * stride_kh - shift * stride_kc
+        v_base = V + page * stride_vb + g * stride_vh - shift * stride_vc
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], dtype=tl.float32)
         return k_base, v_base, m_i, l_i, tl.zeros([GROUP, D], dtype=tl.float32)
@@ -227,22 +263,25 @@ if triton is not None:
 
     @triton.jit
     def _partials(
-        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM, TABLE, stride_tb,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         kv_heads, group, splits, scale,
         QUANT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+        PAGED: tl.constexpr,
     ) -> None:  # fmt: skip
         """One chunk of one (row, KV head) for each of its query heads: softmax max, sum and
         weighted value sum, every K/V tile loaded once for the group."""
-        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        rows, used, split, _, g, start, end, page, shift = _chunk(
+            LENGTHS, TABLE, stride_tb, kv_heads, group, CHUNK, GROUP, PAGED
+        )
         d = tl.arange(0, D)
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32) * scale
         k_base, v_base, m_i, l_i, acc = _start(
-            K, V, b, g, stride_kb, stride_kh, stride_vb, stride_vh, D, GROUP
+            K, V, page, shift, g, stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc, D, GROUP
         )  # fmt: skip
-        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh  # slots contiguous
-        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        ks_base = K_SCALE + page * stride_ksb + g * stride_ksh - shift  # slots contiguous
+        vs_base = V_SCALE + page * stride_vsb + g * stride_vsh - shift
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
@@ -262,11 +301,11 @@ if triton is not None:
 
     @triton.jit
     def _partials_mma(
-        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM, TABLE, stride_tb,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         kv_heads, group, splits, scale,
-        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGED: tl.constexpr,
     ) -> None:  # fmt: skip
         """``_partials`` of a 16-bit ring with ``q . k`` and ``p . v`` on the tensor cores (``GROUP``:
         the query block, padded to tl.dot's 16 rows), as flash attention takes them: the ring's
@@ -274,11 +313,13 @@ if triton is not None:
         broadcast form multiplies ``group`` queries by every loaded key on the CUDA cores in
         float32 ([GROUP, BLOCK_N, D] products reduced across threads); on the H200 it read a
         bf16 ring at 2.2-4.3x its floor with two queries a KV head, this form at 1.0-1.15x."""
-        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        rows, used, split, _, g, start, end, page, shift = _chunk(
+            LENGTHS, TABLE, stride_tb, kv_heads, group, CHUNK, GROUP, PAGED
+        )
         d = tl.arange(0, D)
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
         k_base, v_base, m_i, l_i, acc = _start(
-            K, V, b, g, stride_kb, stride_kh, stride_vb, stride_vh, D, GROUP
+            K, V, page, shift, g, stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc, D, GROUP
         )  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -310,8 +351,9 @@ if triton is not None:
 
     @triton.jit
     def _start_words(  # type: ignore[no-untyped-def]
-        Q, K, V, K_SCALE, V_SCALE, rows, b, g, D: tl.constexpr, GROUP: tl.constexpr,
-        stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        Q, K, V, K_SCALE, V_SCALE, rows, page, shift, g, D: tl.constexpr, GROUP: tl.constexpr,
+        stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     ):  # fmt: skip
         """The int8 kernels' common start, so their reads and ``_store_words``'s layout agree:
         word indices ``j``, the (row, KV head)'s ring as int32 words and its scales, the query
@@ -319,10 +361,10 @@ if triton is not None:
         and four accumulators at their start."""
         W: tl.constexpr = D // 4
         j = tl.arange(0, W)
-        k_words = (K + b.to(tl.int64) * stride_kb + g * stride_kh).to(tl.pointer_type(tl.int32))
-        v_words = (V + b.to(tl.int64) * stride_vb + g * stride_vh).to(tl.pointer_type(tl.int32))
-        ks_base = K_SCALE + b.to(tl.int64) * stride_ksb + g * stride_ksh
-        vs_base = V_SCALE + b.to(tl.int64) * stride_vsb + g * stride_vsh
+        k_words = (K + page * stride_kb + g * stride_kh - shift * stride_kc).to(tl.pointer_type(tl.int32))
+        v_words = (V + page * stride_vb + g * stride_vh - shift * stride_vc).to(tl.pointer_type(tl.int32))
+        ks_base = K_SCALE + page * stride_ksb + g * stride_ksh - shift
+        vs_base = V_SCALE + page * stride_vsb + g * stride_vsh - shift
         q_at = Q + rows[:, None] * D + 4 * j[None, :]  # byte i of word j is 4j + i
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], dtype=tl.float32)
@@ -334,20 +376,23 @@ if triton is not None:
 
     @triton.jit
     def _partials_int8(
-        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM, TABLE, stride_tb,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         kv_heads, group, splits, scale,
-        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGED: tl.constexpr,
     ) -> None:  # fmt: skip
         """``_partials`` over an int8 ring read as int32 words (four bytes of one vector each),
         every byte made a float by ``_byte`` once for the group. (Rounding the query to int8
         too, for ``q . k`` on the tensor cores, measured no faster and twice the error:
         docs/benchmarks.md.)"""
-        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        rows, used, split, _, g, start, end, page, shift = _chunk(
+            LENGTHS, TABLE, stride_tb, kv_heads, group, CHUNK, GROUP, PAGED
+        )
         j, k_words, v_words, ks_base, vs_base, q_at, m_i, l_i, acc0, acc1, acc2, acc3 = _start_words(
-            Q, K, V, K_SCALE, V_SCALE, rows, b, g, D, GROUP,
-            stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+            Q, K, V, K_SCALE, V_SCALE, rows, page, shift, g, D, GROUP,
+            stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+            stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         )  # fmt: skip
         q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
         q1 = tl.load(q_at + 1, mask=used[:, None], other=0.0).to(tl.float32)[:, None, :] * scale
@@ -390,11 +435,11 @@ if triton is not None:
 
     @triton.jit
     def _partials_int8_mma(
-        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM,
+        Q, K, V, K_SCALE, V_SCALE, LENGTHS, PART_OUT, PART_MAX, PART_SUM, TABLE, stride_tb,
         stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         kv_heads, group, splits, scale,
-        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, PAGED: tl.constexpr,
     ) -> None:  # fmt: skip
         """``_partials_int8`` with ``q . k`` and ``p . v`` on the tensor cores (``GROUP``: the query
         block, padded to tl.dot's 16 rows). With the group's products on the CUDA cores, each
@@ -410,11 +455,14 @@ if triton is not None:
         (sm_90, 512/16/1/3: 802 a tile of 16 slots), so the maximum moves only when a score passes
         it by ``RESCALE_NATS`` and they are rescaled then alone (652).
         A chunk past the row's length loads the length and nothing else."""
-        rows, used, split, b, g, start, end = _chunk(LENGTHS, kv_heads, group, CHUNK, GROUP)
+        rows, used, split, _, g, start, end, page, shift = _chunk(
+            LENGTHS, TABLE, stride_tb, kv_heads, group, CHUNK, GROUP, PAGED
+        )
         if start < end:
             j, k_words, v_words, ks_base, vs_base, q_at, m_i, l_i, acc0, acc1, acc2, acc3 = _start_words(
-                Q, K, V, K_SCALE, V_SCALE, rows, b, g, D, GROUP,
-                stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+                Q, K, V, K_SCALE, V_SCALE, rows, page, shift, g, D, GROUP,
+                stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+                stride_ksb, stride_ksh, stride_vsb, stride_vsh,
             )  # fmt: skip
             k_slot, v_slot = stride_kc // 4, stride_vc // 4  # in words
             q0 = tl.load(q_at, mask=used[:, None], other=0.0).to(tl.float16)
@@ -461,11 +509,12 @@ if triton is not None:
 
     @triton.jit
     def _quantize_write(
-        K, V, RING, SCALES, SLOT, stride_kb, stride_kh, stride_vb, stride_vh,
+        K, V, RING, SCALES, SLOT, PAGE, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_r0, stride_rb, stride_rh, stride_rc, stride_s0, stride_sb, stride_sh, stride_sc,
-        heads, D: tl.constexpr,
+        heads, D: tl.constexpr, PAGED: tl.constexpr,
     ) -> None:  # fmt: skip
-        """One vector (key or value) of one (row, KV head): its scale, its bytes, both stored."""
+        """One vector (key or value) of one (row, KV head): its scale, its bytes, both stored
+        at slot ``SLOT[b]`` of row ``b`` of the ring, or, ``PAGED``, of page ``PAGE[b]`` of the pool."""
         row = tl.program_id(0)
         which = tl.program_id(1)
         b = row // heads
@@ -479,9 +528,13 @@ if triton is not None:
         y = x / scale
         q8 = tl.minimum(tl.maximum(tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5)), -127.0), 127.0)
         slot = tl.load(SLOT + b)
-        ring = RING + which * stride_r0 + b.to(tl.int64) * stride_rb + h * stride_rh + slot * stride_rc
+        if PAGED:  # noqa: SIM108 (a constexpr branch)
+            at_b = tl.load(PAGE + b).to(tl.int64)
+        else:
+            at_b = b.to(tl.int64)
+        ring = RING + which * stride_r0 + at_b * stride_rb + h * stride_rh + slot * stride_rc
         tl.store(ring + d, q8.to(tl.int8))
-        at = SCALES + which * stride_s0 + b.to(tl.int64) * stride_sb + h * stride_sh + slot * stride_sc
+        at = SCALES + which * stride_s0 + at_b * stride_sb + h * stride_sh + slot * stride_sc
         tl.store(at, scale.to(SCALES.dtype.element_ty))
 
     @triton.jit

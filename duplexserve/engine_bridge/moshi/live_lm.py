@@ -13,6 +13,11 @@ every layer and attends over the whole ring.
 A forward of several frames at once on a streaming state (a prompt's prefill,
 ``prompts.py``) writes all their keys into the ring and attends causally over it.
 
+With a ``PageTable`` on the clock (``paged_kv.py``, the engine's default) each layer's KV is
+a pool of pages instead of a ring a row: the pre-hook also finds each row's page and offset
+for this step and its capacity (the context, or the pages it holds once it stopped growing),
+and the layer writes there and attends through the block table (``_paged_step``).
+
 Everything else (projections, RoPE, ``rope_concat`` included, the ring's memory with
 its grouped KV heads, reset, exec mask, CUDA graphs) is the library's. Mimi's
 transformers and the depformer have short rings of their own (``live_mimi.py``,
@@ -36,6 +41,7 @@ from .live_attention import (
     triton_available,
     write_quantized,
 )
+from .paged_kv import PagedKV, PageTable
 
 
 @dataclass
@@ -50,6 +56,9 @@ class StepClock:
     slot: torch.Tensor | None = None  # [B, 1, 1, 1] ring slot written this step
     lengths: torch.Tensor | None = None  # [B] int32 live slots after the write; 0 = idle row
     mask: torch.Tensor | None = None  # [B, 1, 1, capacity] the same, for the SDPA fallback
+    #: Paged KV (paged_kv.py): the rows' pages; set by the engine before the streaming state is built
+    pages: PageTable | None = None
+    page: torch.Tensor | None = None  # [B] int64 the page written this step (``slot``: the offset in it)
 
 
 def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> None:
@@ -62,12 +71,21 @@ def _before_layers(transformer: StreamingTransformer, args: tuple[Any, ...]) -> 
     offsets = state.offsets
     ends = offsets + 1
     clock.offsets = offsets
-    clock.slot = (offsets % clock.capacity).view(-1, 1, 1, 1)
-    if clock.use_kernel:
+    pages = clock.pages
+    if pages is None:
+        clock.slot = (offsets % clock.capacity).view(-1, 1, 1, 1)
         live = torch.clamp(ends, max=clock.capacity)
+    else:  # a row's capacity: the context while it may grow, the pages it holds once it stopped
+        rows = offsets.shape[0]
+        caps = pages.caps[:rows]
+        slot = offsets % caps
+        clock.page = pages.table[:rows].gather(1, (slot // pages.page).view(-1, 1)).view(-1).long()
+        clock.slot = (slot % pages.page).view(-1, 1, 1, 1)
+        live = torch.minimum(ends, caps)
+    if clock.use_kernel:
         clock.lengths = torch.where(state.exec_mask, live, torch.zeros_like(live)).to(torch.int32)
     else:
-        clock.mask = prefix_mask(ends, clock.capacity)
+        clock.mask = prefix_mask(live, clock.capacity)
 
 
 def plain_self_attention(a: StreamingMultiheadAttention) -> bool:
@@ -109,17 +127,15 @@ class LiveAttention(StreamingMultiheadAttention):
     _live_clock: StepClock
 
     def _init_streaming_state(self, batch_size: int) -> _MHAState:
-        if not self._live_clock.quantized:
+        clock = self._live_clock
+        if not clock.quantized and clock.pages is None:
             return super()._init_streaming_state(batch_size)
         weight = self.in_projs[0].weight
-        ring = QuantRing(
-            batch_size,
-            self.num_heads // self.kv_repeat,
-            self.embed_dim // self.num_heads,
-            self.context,
-            weight.device,
-            weight.dtype,
-        )
+        heads, dim = self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads
+        if clock.pages is not None:
+            ring: Any = PagedKV(clock.pages, heads, dim, weight.device, weight.dtype, clock.quantized)
+        else:
+            ring = QuantRing(batch_size, heads, dim, self.context, weight.device, weight.dtype)
         offset = torch.zeros(batch_size, device=weight.device, dtype=torch.long)
         return _MHAState(batch_size, weight.device, ring, offset=offset, offset_cpu=0)
 
@@ -134,6 +150,10 @@ class LiveAttention(StreamingMultiheadAttention):
         q, (k, v) = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
             q, k = self.rope(q, k, clock.offsets, time_before_heads=False)
+        if clock.pages is not None:
+            x = self._paged_step(q, k, v)
+            state.offset_cpu += 1
+            return self.out_projs[0](x.transpose(1, 2).reshape(b, 1, -1))
         ring, scales = state.kv_cache.cache, None
         if clock.quantized and clock.use_kernel:
             scales = state.kv_cache.scale
@@ -160,12 +180,50 @@ class LiveAttention(StreamingMultiheadAttention):
         state.offset_cpu += 1
         return self.out_projs[0](x)
 
+    def _paged_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One step on the page pool (paged_kv.py): this step's K/V into slot ``clock.slot`` of
+        page ``clock.page`` of each row, then attention over the row's live slots. The kernel
+        reads the pages where they are; the fallback gathers each row's pages into a ring's
+        layout and makes the ring's very call (``masked_attention``, the same mask), so a call
+        that fits answers as on the ring, bit for bit."""
+        clock = self._live_clock
+        pages = clock.pages
+        assert pages is not None and clock.page is not None
+        pool = self._streaming_state.kv_cache
+        ring, scales, page, slot = pool.cache, pool.scale, clock.page, clock.slot.view(-1)
+        if clock.quantized and clock.use_kernel:
+            write_quantized(k, v, ring, scales, slot, page=page)
+        elif clock.quantized:
+            for i, x in enumerate((k, v)):
+                x8, scale = quantize(x)
+                ring[i][page, :, slot] = x8[:, :, 0]
+                scales[i][page, :, slot] = scale[:, :, 0]
+        else:
+            ring[0][page, :, slot] = k[:, :, 0]
+            ring[1][page, :, slot] = v[:, :, 0]
+        b = q.shape[0]
+        table = pages.table[:b]
+        if clock.use_kernel:
+            pair = None if scales is None else (scales[0], scales[1])
+            lengths, capacity = clock.lengths, clock.capacity
+            return live_attention(q, ring[0], ring[1], lengths, pair, table=table, capacity=capacity)
+        held = table.long()
+        keys, values = (_as_ring(ring[i][held], clock.capacity) for i in (0, 1))
+        if scales is not None:
+            kv = torch.stack((keys, values))
+            capacity = clock.capacity
+            scale = torch.stack([_as_ring(scales[i][held, ..., None], capacity)[..., 0] for i in (0, 1)])
+            keys, values = dequantize(kv, scale, q.dtype)
+        return masked_attention(q, keys, values, clock.mask)
+
     def _prefill(self, query: torch.Tensor) -> torch.Tensor:
         """``T`` frames of each row at once, from the transformer's offsets: their keys and
         values written into the ring (which they must not wrap: a prefill starts a
         session), each frame attending to the ring up to its own position."""
         clock = self._live_clock
         state = self._streaming_state
+        if clock.pages is not None:
+            raise NotImplementedError("a prefill on paged KV: prompted models keep the ring")
         b, t = query.shape[:2]
         q, (k, v) = split_heads(self, self.in_projs[0](query))
         if self.rope is not None:
@@ -188,6 +246,12 @@ class LiveAttention(StreamingMultiheadAttention):
         x = masked_attention(q, keys, values, mask)
         state.offset_cpu += t
         return self.out_projs[0](x.transpose(1, 2).reshape(b, t, -1))
+
+
+def _as_ring(gathered: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Each row's pages ``[B, pages, KV, PAGE, D]`` as a ring's row ``[B, KV, capacity, D]``."""
+    b, n, h, page, d = gathered.shape
+    return gathered.transpose(1, 2).reshape(b, h, n * page, d)[:, :, :capacity]
 
 
 def masked_attention(

@@ -252,6 +252,9 @@ class RowBuckets:
         self.map = RowMap(rows, sizes)
         self.moves = 0
         self.move_bytes = MOVE_BYTES
+        #: Called with (dst, src) after each move: the engine's own per-row bookkeeping (paged KV's
+        #: page table, paged_kv.py) follows the rows.
+        self.on_move: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     def prepare(
         self, slots: np.ndarray, fit: Callable[[int], int] | None = None
@@ -265,6 +268,8 @@ class RowBuckets:
             limit = max(1, self.move_bytes // max(1, self.views.row_bytes(over)))
             dst, src = self.map.compaction(limit)
             self.views.move(dst, src)
+            if self.on_move is not None:
+                self.on_move(dst, src)
             self.moves += len(src)
         rows = self.map.rows(slots)
         size = self.map.bucket(int(rows.max()) + 1)

@@ -29,7 +29,9 @@ from safetensors.torch import save as save_tensors
 
 from duplexserve.engine_bridge.engine import MoveRefused
 
+from . import paged_kv
 from .live_lm import ring_prefix, write_ring_prefix
+from .paged_kv import PagedKV
 from .slot_state import SlotState
 
 #: Bumped whenever what the bytes hold or mean changes: another version is ``move_mismatch``.
@@ -41,14 +43,20 @@ DIGEST = 32  # SHA-256
 def kv_layout(rings: list[Any], slots: int) -> tuple[int, int]:
     """The LM rings' capacity (slots a row holds) and copies of each row (two under guidance:
     all the conditioned rows, then all the unconditioned ones), of ``slots`` rows."""
-    cache = rings[0].kv_cache.cache  # [2, copies * slots, heads, capacity, dim]
-    return cache.shape[3], cache.shape[1] // slots
+    kv = rings[0].kv_cache
+    if isinstance(kv, PagedKV):  # pages (paged_kv.py): a row's capacity is the context, one copy
+        return kv.table.context, 1
+    return kv.cache.shape[3], kv.cache.shape[1] // slots  # [2, copies * slots, heads, capacity, dim]
 
 
 def row_kv(rings: list[Any], rows: Iterable[int], n: int) -> list[torch.Tensor]:
     """Slots ``[0, n)`` of each batch row in ``rows`` (a slot's copies) of every LM layer's
     ring (``rings``: the layers' attention states), and of its int8 scales: the one reader
-    of a row's KV (a paged ring adapts here)."""
+    of a row's KV. Paged KV (paged_kv.py) reads a row's pages into the very same layout, so a
+    state moves between a paged engine and a ring one alike."""
+    if isinstance(rings[0].kv_cache, PagedKV):
+        pools = [state.kv_cache for state in rings]
+        return [t for row in rows for pool in pools for t in paged_kv.read_row(pool, pool.table, row, n)]
     return [t for row in rows for t in ring_prefix(rings, row, n)]
 
 
@@ -56,8 +64,19 @@ def put_row_kv(rings: list[Any], rows: Iterable[int], kv: list[torch.Tensor]) ->
     """Write ``row_kv``'s tensors back, into batch rows ``rows`` of this engine's rings."""
     rows = list(rows)
     per_row = len(kv) // max(1, len(rows))
+    paged = rings[0].kv_cache if isinstance(rings[0].kv_cache, PagedKV) else None
     for i, row in enumerate(rows):
-        write_ring_prefix(rings, row, kv[i * per_row : (i + 1) * per_row])
+        mine = kv[i * per_row : (i + 1) * per_row]
+        if paged is None:
+            write_ring_prefix(rings, row, mine)
+            continue
+        n = mine[0].shape[2]
+        if paged.table.hold(row, n) < min(n, paged.table.context):  # the pool ran short: no room here
+            paged.table.release(row)
+            raise MoveRefused("move_not_now", f"the KV pages ran short: {n} frames of context do not fit now")
+        per_layer = len(mine) // len(rings)
+        for j, state in enumerate(rings):
+            paged_kv.write_row(state.kv_cache, paged.table, row, mine[j * per_layer : (j + 1) * per_layer])
 
 
 def ring_tensors(rings: list[Any]) -> set[int]:

@@ -46,6 +46,7 @@ from moshi.modules.streaming import State, StreamingModule
 from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
 
 from .live_lm import QuantRing
+from .paged_kv import PagedKV
 
 # Per-row tensors of each state class and their batch axis. Plain ints (``offset_cpu``)
 # stay per view: only weights-per-step layers read them, the depformer's, whose state
@@ -64,6 +65,7 @@ RING_SLOTS = 3  # the slot axis of a ring's cache ([2, B, heads, capacity, dim])
 _RINGS: dict[type, tuple[tuple[str, int], ...]] = {
     RingKVCache: (("cache", 1), ("end_offset", 0)),  # cache: [2, B, heads, capacity, dim]
     QuantRing: (("cache", 1), ("scale", 1)),
+    PagedKV: (),  # a pool shared by the rows: a row's pages are its table row (paged_kv.py)
 }
 #: A ring's fields read only below the row's offsets: a reset leaves them (module docstring).
 _RING_DATA = frozenset({"cache", "scale"})
