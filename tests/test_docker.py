@@ -95,9 +95,10 @@ def test_compose_serves_a_repository_from_the_host_hugging_face_cache_read_only(
 
 def test_compose_profiles_add_loadgen_and_scale_out() -> None:
     services = compose_config("loadgen", "scale")["services"]
-    assert set(services) == {"duplexserve", "duplexserve-1", "lb", "loadgen"}
+    assert set(services) == {"duplexserve", "duplexserve-1", "lb", "lb-exporter", "loadgen"}
     assert services["loadgen"]["profiles"] == ["loadgen"]
     assert services["lb"]["profiles"] == services["duplexserve-1"]["profiles"] == ["scale"]
+    assert services["lb-exporter"]["profiles"] == ["scale"]  # counts what nginx answered (its 503s)
     loadgen = services["loadgen"]
     # The profile's command is one the real loadgen accepts: docs/benchmarks.md's RTF run.
     command = loadgen["command"]

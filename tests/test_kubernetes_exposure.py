@@ -14,7 +14,7 @@ from tests.test_kubernetes import KUBE, OVERLAYS, one, render
 
 #: Paths the replicas answer that callers have no business with. Not /ready: the talk page reads
 #: the engine from it and, when a call fails, why (issue 75: routed).
-INTERNAL = {"/metrics", "/docs", "/redoc", "/openapi.json", "/health"}
+INTERNAL = {"/metrics", "/docs", "/redoc", "/openapi.json", "/health", "/internal/v1/move"}
 #: Request headers that may carry a key or a session's token.
 SECRET_HEADERS = {"authorization", "proxy-authorization", "cookie", "sec-websocket-protocol", "x-api-key"}
 

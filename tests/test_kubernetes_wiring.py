@@ -29,7 +29,7 @@ from tests.test_kubernetes import KUBE, OVERLAYS, container_env, one, render
 Objects = list[dict[str, Any]]
 METRIC = re.compile(r"\b(duplexserve_[a-z0-9_]+)(\{[^}]*\})?")
 #: What the Gateway must not route: Prometheus scrapes the pods, the kubelet probes them.
-PRIVATE = ("/metrics", "/docs", "/redoc", "/openapi.json", "/health")
+PRIVATE = ("/metrics", "/docs", "/redoc", "/openapi.json", "/health", "/internal/v1/move")
 #: What a client asks a model for, so the model's rule must take each (with ?model=): the
 #: WebSocket protocols, WebRTC's calls, hangup and ICE servers, and /ready (the talk page asks
 #: it before a WebRTC call). A phone call's model is in its path: /v1/twilio/MODEL.

@@ -134,7 +134,7 @@ def test_internal_routes_are_not_served_and_plain_http_redirects_to_hsts(server_
         https = f"https://127.0.0.1:{tls.port}"
         verify = ssl_context(cert)
         assert httpx.get(server.http + "/metrics", timeout=10).status_code == 200  # the replica's own
-        for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/%6detrics"):
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/%6detrics", "/internal/v1/move"):
             for base in (site, https):
                 answer = httpx.get(base + path, verify=verify, timeout=10)
                 assert answer.status_code == 404, (base, path, answer.status_code)
