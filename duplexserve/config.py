@@ -211,10 +211,11 @@ class ServerConfig:
         ("bf16", "int8"),
     )
     moshi_kv_layout: str = _opt(
-        "paged",
-        "moshi engine, live attention: the LM's KV in pages a call takes as it ages and gives back at"
-        " its end, a slot reserving only its floor (paged), or a ring of the whole context reserved"
-        " for every slot from its first frame (ring); prompted models and guidance keep the ring"
+        "ring",
+        "moshi engine, live attention: a ring of the whole context reserved for every slot from its"
+        " first frame (ring, measured on GPUs), or the LM's KV in pages a call takes as it ages and"
+        " gives back at its end, a slot reserving only its floor (paged: bit for bit the ring's on the"
+        " CPU, not yet measured on a GPU); prompted models and guidance keep the ring"
         " (docs/moshi-engine.md, Paged KV)",
         ("paged", "ring"),
     )

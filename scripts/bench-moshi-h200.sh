@@ -8,7 +8,7 @@
 #                           8, 32, 128 and 384 slots, hibiki-2b, int8 ring (issue 37)
 #   steps-MODEL[-int8]      step time against batch size ($STEPS_BATCHES, default
 #                           64,128,256,384,512), MODEL as in rtf-MODEL-N
-#   rtf-MODEL-N[-process][-stock][-int8][-ring][-floorF][-depstock][-mimistock][-tf32][-mimiparts][-convstock][-convcl][-ctxC][-tickT][-xR][-mixedM][-slotsS][-durD]
+#   rtf-MODEL-N[-process][-stock][-int8][-paged|-ring][-floorF][-depstock][-mimistock][-tf32][-mimiparts][-convstock][-convcl][-ctxC][-tickT][-xR][-mixedM][-slotsS][-durD]
 #                           paced RTF run, MODEL a preset's name without its dashes (moshi7b,
 #                           hibiki2b, hibikizero3b, hibiki2bclass) or hibiki (hibiki-2b), zero3b
 #                           (hibiki-zero-3b), hibikiclass (hibiki-2b-class); N sessions (N,M,...:
@@ -22,16 +22,16 @@
 #                           with channels-last inputs (--moshi-mimi-convs fused-cl), LM context C,
 #                           the engine's step clock T ms (default 0: step at once; 80: one frame),
 #                           R runs one after another on one server start (a line each); the LM's KV
-#                           as a ring a slot (--moshi-kv-layout ring; default paged), a paged KV
+#                           in pages (--moshi-kv-layout paged; the default is the ring), a paged KV
 #                           floor of F s (--moshi-kv-floor-s); a long-tailed workload of about N
 #                           calls open, lognormal lengths of mean M s, Poisson arrivals
 #                           (--mixed-mean-s), S slots (--max-sessions; default N), D s of run
 #                           (--seconds; default 60). Paged KV (issue 74), not yet measured:
-#                             rtf-zero3b-1000-process-int8-x3          1,000 calls of 60 s (H200)
-#                             rtf-zero3b-600-process-int8-x3           600 (H100)
-#                             rtf-zero3b-672-process-int8-ring-x3      the ring's A/B at its floor
-#                             rtf-zero3b-672-process-int8-x3           ... and paged, same card
-#                             rtf-zero3b-1000-process-int8-mixed180-slots1100-dur420
+#                             rtf-zero3b-1000-process-int8-paged-x3    1,000 calls of 60 s (H200)
+#                             rtf-zero3b-600-process-int8-paged-x3     600 (H100)
+#                             rtf-zero3b-672-process-int8-x3           the ring's A/B at its floor
+#                             rtf-zero3b-672-process-int8-paged-x3     ... and paged, same card
+#                             rtf-zero3b-1000-process-int8-paged-mixed180-slots1100-dur420
 #                                                                      mean 3 min, a tail past 4 (H200)
 #   first-MODEL-N[-process][-int8][-warmW]
 #                           a fresh server at its defaults (--moshi-warm-rows W given -warmW) met by
@@ -139,6 +139,7 @@ for line in open(sys.argv[1]): print(json.dumps({'phase': sys.argv[2], **json.lo
         [ "$extra" = stock ] && flags+=(--attention stock)
         [ "$extra" = int8 ] && flags+=(--kv-dtype int8)
         [ "$extra" = ring ] && flags+=(--kv-layout ring)
+        [ "$extra" = paged ] && flags+=(--kv-layout paged)
         [[ "$extra" == floor[0-9]* ]] && flags+=(--kv-floor-s "${extra#floor}")
         [[ "$extra" == mixed[0-9]* ]] && flags+=(--mixed-mean-s "${extra#mixed}")
         [[ "$extra" == slots[0-9]* ]] && flags+=(--slots "${extra#slots}")

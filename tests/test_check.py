@@ -45,7 +45,8 @@ def fields(output: str) -> dict[str, str]:
 
 
 def test_the_tiny_preset_on_the_cpu():
-    done = run("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "8")
+    done = run("check", "--engine", "moshi", "--device", "cpu", "--max-sessions", "8",
+               "--moshi-kv-layout", "paged")
     assert done.returncode == 0, done.stdout + done.stderr
     report = fields(done.stdout)
     assert report["python"].startswith(f"3.{sys.version_info.minor}.")
@@ -173,13 +174,13 @@ def test_the_plan_on_a_gpu():
 
 
 def test_the_paged_plan_on_a_gpu_counts_floors_and_gives_the_pool_the_rest():
-    """Paged KV (the default): a slot costs its floor's pages, auto admits what the floors fit, a
+    """Paged KV (--moshi-kv-layout paged): a slot costs its floor's pages, auto admits what the floors fit, a
     count past them is refused with the fix, and the report gives the pool's pages; the tiny
     preset's 200-frame context is one 256-frame page."""
     import torch
 
     def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
-        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions)
+        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions, moshi_kv_layout="paged")
         lines: dict[str, str] = {}
         machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
         problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)

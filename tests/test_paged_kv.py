@@ -155,7 +155,9 @@ def test_the_plan_sizes_slots_by_their_floor_and_the_pool_by_the_rest():
 
 def test_a_prompted_model_keeps_the_ring(caplog):
     with caplog.at_level(logging.INFO):
-        engine = MoshiEngine(2, "tiny-personaplex", context=CONTEXT, threads=1, kv_page=PAGE)
+        engine = MoshiEngine(
+            2, "tiny-personaplex", context=CONTEXT, threads=1, kv_layout="paged", kv_page=PAGE
+        )
         engine.start()
     try:
         assert not engine.paged and engine.pages is None
@@ -233,8 +235,8 @@ def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory, m
     from tests.test_moshi_server import FLAGS, audio, session
 
     server = server_factory(
-        *FLAGS, *mode, "--max-sessions", "2", "--moshi-context", "1024", "--moshi-kv-floor-s", "40",
-        "--moshi-kv-pages", "3",
+        *FLAGS, *mode, "--max-sessions", "2", "--moshi-context", "1024", "--moshi-kv-layout", "paged",
+        "--moshi-kv-floor-s", "40", "--moshi-kv-pages", "3",
     )  # fmt: skip
 
     async def third() -> tuple[dict, int | None]:
@@ -261,7 +263,9 @@ def test_the_server_keeps_calls_going_when_the_pool_runs_short(server_factory, m
 def test_a_pool_that_cannot_hold_every_floor_is_refused_at_start():
     """Admission never outruns the floors: a pool short of one floor a slot (and the sink) stops
     the start, with the numbers, as the memory plan refuses a slot count the GPU cannot hold."""
-    engine = MoshiEngine(6, "tiny", context=CONTEXT, threads=1, kv_page=PAGE, kv_floor_s=0.64, kv_pages=12)
+    engine = MoshiEngine(
+        6, "tiny", context=CONTEXT, threads=1, kv_layout="paged", kv_page=PAGE, kv_floor_s=0.64, kv_pages=12
+    )
     with pytest.raises(ValueError, match="12 KV pages cannot hold the sink and 6 floors of 2 pages"):
         engine.start()
 

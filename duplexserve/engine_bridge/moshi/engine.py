@@ -136,7 +136,7 @@ class MoshiEngine(Engine):
         fp32_matmul: str = "float32",
         mimi_graph: str = "whole",
         mimi_convs: str = "fused",
-        kv_layout: str = "paged",
+        kv_layout: str = "ring",
         kv_floor_s: float = 60.0,
         kv_page: int = 0,
         kv_pages: int = 0,
