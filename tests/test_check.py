@@ -145,16 +145,21 @@ def test_serve_and_check_help_list_the_presets():
         assert f"oneof{','.join(PRESETS)}[envDUPLEXSERVE_MOSHI_PRESET" in text, command
 
 
-def test_the_plan_on_a_gpu():
-    """The GPU's part of the report, for a GPU given here (4 GiB free): the plan the engine checks."""
+def gpu_report(sessions: int, free_gib: float, layout: str) -> tuple[dict[str, str], list[Problem]]:
+    """The report's GPU lines and problems for a GPU of 8 GiB with ``free_gib`` free."""
     import torch
 
+    config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions, moshi_kv_layout=layout)
+    lines: dict[str, str] = {}
+    machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
+    problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
+    return lines, problems
+
+
+def test_the_plan_on_a_gpu():
+    """The GPU's part of the report, for a GPU given here (4 GiB free): the plan the engine checks."""
     def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
-        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions, moshi_kv_layout="ring")
-        lines: dict[str, str] = {}
-        machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
-        problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
-        return lines, problems
+        return gpu_report(sessions, free_gib, "ring")
 
     weights = weight_bytes(resolve_model(ServerConfig(engine="moshi")), "bfloat16").total
     per_slot = 2 * 2 * 200 * 64 * 2 + OTHER_PER_SLOT  # the tiny LM's bf16 ring, and the rest of a slot
@@ -174,17 +179,11 @@ def test_the_plan_on_a_gpu():
 
 
 def test_the_paged_plan_on_a_gpu_counts_floors_and_gives_the_pool_the_rest():
-    """Paged KV (--moshi-kv-layout paged): a slot costs its floor's pages, auto admits what the floors fit, a
-    count past them is refused with the fix, and the report gives the pool's pages; the tiny
+    """Paged KV (--moshi-kv-layout paged): a slot costs its floor's pages, auto admits what the
+    floors fit, a count past them is refused with the fix, and the report gives the pool's pages; the tiny
     preset's 200-frame context is one 256-frame page."""
-    import torch
-
     def report(sessions: int, free_gib: float) -> tuple[dict[str, str], list[Problem]]:
-        config = ServerConfig(engine="moshi", device="cuda", max_sessions=sessions, moshi_kv_layout="paged")
-        lines: dict[str, str] = {}
-        machine = Torch(torch, gpus=[Gpu(0, "a GPU", 8 * GIB, int(free_gib * GIB))])
-        problems = memory_plan(config, resolve_model(config), machine, True, lines.__setitem__)
-        return lines, problems
+        return gpu_report(sessions, free_gib, "paged")
 
     weights = weight_bytes(resolve_model(ServerConfig(engine="moshi")), "bfloat16").total
     page = 2 * 2 * 256 * 64 * 2  # the tiny LM's bf16 K and V for 256 frames, every layer

@@ -344,33 +344,36 @@ class PeerMover:
         return None
 
 
+def _by_outcome(
+    name: str, documentation: str, done: tuple[str, int], failed: dict[str, collections.Counter[str]]
+) -> CounterMetricFamily:
+    """A counter of what was done (reason "") and of each other outcome by reason."""
+    family = CounterMetricFamily(name, documentation, labels=["outcome", "reason"])
+    family.add_metric([done[0], ""], done[1])
+    for outcome, counter in failed.items():
+        for reason, value in sorted(counter.items()):
+            family.add_metric([outcome, reason], value)
+    return family
+
+
 class PeerMoveCollector(Collector):
     def __init__(self, mover: PeerMover) -> None:
         self.mover = mover
 
     def collect(self) -> Any:
         c = self.mover.counts
-        moves = CounterMetricFamily(
+        yield _by_outcome(
             "duplexserve_session_moves",
             "sessions sent to a peer on drain: moved, failed (by reason: it stayed here), or not movable "
             "(by reason: no resume, detached, ending, no peer with room; drained in place)",
-            labels=["outcome", "reason"],
+            ("moved", c.moved), {"failed": c.failed, "unmovable": c.unmovable},
         )
-        moves.add_metric(["moved", ""], c.moved)
-        for outcome, counter in (("failed", c.failed), ("unmovable", c.unmovable)):
-            for reason, value in sorted(counter.items()):
-                moves.add_metric([outcome, reason], value)
-        yield moves
-        imports = CounterMetricFamily(
+        yield _by_outcome(
             "duplexserve_session_imports",
             "sessions a peer moved here: imported, or refused (by reason: unsigned, bad_signature, "
             "stale, replayed, move_corrupt, move_mismatch, no_room, draining)",
-            labels=["outcome", "reason"],
+            ("imported", c.imported), {"refused": c.refused},
         )
-        imports.add_metric(["imported", ""], c.imported)
-        for reason, value in sorted(c.refused.items()):
-            imports.add_metric(["refused", reason], value)
-        yield imports
         sent = CounterMetricFamily("duplexserve_session_move_bytes", "bytes of moved sessions",
                                    labels=["direction"])
         sent.add_metric(["out"], c.bytes_out)
