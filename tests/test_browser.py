@@ -425,3 +425,53 @@ def test_talk_page_offers_the_voices_and_a_persona_and_sends_them(personaplex_ch
     assert "duplexserve_webrtc_calls_active 0.0" in text
     for protocol in ("duplex/1", "webrtc"):
         assert f'duplexserve_prompts_total{{outcome="ran",protocol="{protocol}"}} 1.0' in text, text
+
+
+@needs_chromium
+def test_talk_page_follows_its_session_to_another_replica(server_factory, tmp_path, monkeypatch) -> None:
+    """Live migration (issue 76): the replica holding the talk page's session drains; the page,
+    told ``session.moved`` and close 1012, resumes through the same address (a round-robin nginx,
+    whose other replica holds the session now), sends again what the move held back, and the call
+    goes on and completes with every frame it sent answered once."""
+    import signal
+
+    from tests import test_nginx
+    from tests.test_live_migration import replicas
+    from tests.test_nginx import REPLICA, nginx_in_front
+    from tests.test_resume_forward import round_robin_site
+
+    flags = (*REPLICA, "--resume-grace-s", "30", "--max-sessions", "4", "--max-sessions-per-client", "0",
+             "--log-level", "info")
+    one, two = replicas(server_factory, monkeypatch, ("MOVER", *flags), ("MOVER", *flags))
+    monkeypatch.setattr("tests.test_nginx_resume.REPLICAS", 2)
+    monkeypatch.setattr(test_nginx, "SHIPPED_CONF", round_robin_site(tmp_path / "site.conf"))
+    stats = "window.duplexStats"
+    with nginx_in_front(tmp_path, one, two) as url, chromium_with_fake_mic(tmp_path) as browser:
+        page = browser.new_page()
+        logs: list[str] = []
+        page.on("console", lambda m: logs.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: logs.append(f"pageerror: {e}"))
+        page.goto(url.replace("ws://", "http://").rsplit("/v1", 1)[0] + "/?transport=websocket")
+        page.click("#talk")
+        page.wait_for_function("s => s.framesReceived >= 25", arg=page.evaluate_handle(stats), timeout=30_000)
+        holder, other = (one, two) if one.metrics().get("duplexserve_sessions_active", 0) else (two, one)
+        holder.proc.send_signal(signal.SIGTERM)
+        assert holder.proc.wait(30) == 0  # it exits once the session moved
+        at_move = page.evaluate(stats)["framesReceived"]
+        try:
+            page.wait_for_function(
+                f"s => s.framesReceived >= {at_move + 40} && s.state === 'live'",
+                arg=page.evaluate_handle(stats), timeout=30_000,
+            )
+        except Exception:
+            pytest.fail(f"the call did not go on: {page.evaluate(stats)}\n" + "\n".join(logs))
+        page.click("#talk")
+        page.wait_for_function("s => s.state === 'idle' && s.closeReason !== null",
+                               arg=page.evaluate_handle(stats), timeout=20_000)
+        done = page.evaluate(stats)
+    assert done["closeReason"] == "completed" and done["error"] is None, (done, logs)
+    assert done["framesReceived"] == done["framesSent"], done  # every frame answered, none twice
+    metrics = other.metrics()
+    assert metrics['duplexserve_session_imports_total{outcome="imported",reason=""}'] == 1, metrics
+    assert metrics['duplexserve_session_resumes_total{outcome="resumed"}'] == 1
+    assert "drain: moved 1 of 1 sessions" in holder.log()
