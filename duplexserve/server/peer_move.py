@@ -201,7 +201,7 @@ class PeerMover:
                 theirs = f"{header.get('model')}/{header.get('engine')}"
                 raise MoveRefused("move_mismatch", f"a session of {theirs}")
             carry = carry_from(header, blobs.get("replay", b""), self.codec_procs, config.max_output_frames)
-            session = await move.adopt(orch, header, blobs.get("engine", b""))
+            session = await orch.adopt(header, blobs.get("engine", b""))
         except MoveRefused as exc:
             status = 503 if exc.code in ("no_room", "draining") else 409
             return self._refuse(status, exc.code, str(exc))

@@ -15,9 +15,10 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from duplexserve import errors
+from duplexserve.engine_bridge.engine import MoveRefused
 from duplexserve.server.core.budgets import over_budget
 from duplexserve.server.core.client_address import ClientAddress, client_key
-from duplexserve.server.core.session import Limits, Session
+from duplexserve.server.core.session import Limits, Session, State
 from duplexserve.server.core.turnaround import FrameTimer, TurnaroundTotals
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class Admission:
     _generations: itertools.count[int]
     _prompts: dict[int, asyncio.Future[tuple[str, str] | None]]
     counts: Any
+    max_detached: int
     _evict: Any  # the orchestrator's
 
     @property
@@ -125,6 +127,48 @@ class Admission:
         self._by_slot[slot] = session
         self.counts.sessions_accepted += 1
         self.bridge.open(slot, session.generation, params or {})
+        return session
+
+    async def adopt(self, header: dict[str, Any], engine_state: bytes) -> Session:
+        """A session a peer moved here (core/move.py), in a free slot, its engine state imported;
+        ``MoveRefused`` (``no_room``, ``draining``, or the engine's refusal) leaves nothing behind."""
+        if self.draining or not self.bridge.running:
+            raise MoveRefused("draining", "this replica takes no session now")
+        if not self._free:
+            raise MoveRefused("no_room", "no free slot")
+        if self.resume.detached >= self.max_detached:  # never evict a session waiting here for one
+            raise MoveRefused("no_room", "as many sessions wait for a resume as --max-detached allows")
+        if not self.resume.enabled:
+            raise MoveRefused("no_resume", "this replica keeps no session for a resume (--resume-grace-s 0)")
+        try:
+            state = State(header["state"])
+            frames_in, frames_out = int(header["frames_in"]), int(header["frames_out"])
+            session_id, age_s = str(header["session_id"]), float(header["age_s"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise MoveRefused("move_corrupt", f"a session header without {exc}") from None
+        if state not in (State.CREATED, State.STREAMING) or not 0 <= frames_out <= frames_in:
+            raise MoveRefused("move_corrupt", "only a live session whose input was all answered moves")
+        slot = self._free.pop()
+        generation = next(self._generations)
+        try:
+            await self.bridge.import_(slot, generation, engine_state)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        timer = FrameTimer(self.turnaround)
+        session = Session(session_id or secrets.token_hex(8), slot, generation, self.limits, timer)
+        session.state, session.frames_in, session.frames_out = state, frames_in, frames_out
+        timed = header.get("timed") or {}
+        timer.count, timer.late = int(timed.get("count", 0)), int(timed.get("late", 0))
+        timer.max_s = float(timed.get("max_s", 0.0))
+        timer.resync(frames_out)
+        assert self._loop is not None
+        now = self._loop.time()
+        session.started, session.last_activity = now - age_s, now
+        session.tail = self.engine.tail
+        session.completion_grace_s = getattr(self.bridge, "trailing_text_s", 0.0)
+        self._by_slot[slot] = session
+        self.counts.sessions_accepted += 1
         return session
 
     def rejected(self, refusal: tuple[int, str, str]) -> None:
