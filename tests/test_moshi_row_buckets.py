@@ -124,6 +124,13 @@ def test_bucket_changes_answer_as_the_full_batch(monkeypatch, kv_dtype):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+def same_answers(one: tuple[list, list], other: tuple[list, list]) -> None:
+    """Two runs' (audio, tokens) of ``run_sessions``, equal bit for bit, session by session."""
+    for mine, theirs in zip(one, other, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def ring_buffers(engine: MoshiEngine) -> set[int]:
     """The ids of the KV rings' slot buffers (keys and values, the 8-bit ring's scales)."""
     rings = [getattr(state, "kv_cache", None) for state in engine._rows.views.by_size[engine.num_slots]]
@@ -167,11 +174,7 @@ def test_warm_steps_between_live_steps_change_no_session(kv_dtype):
             answers.append(run_sessions(engine, SESSIONS)[:2])
         finally:
             engine.stop()
-    (audio, tokens), (warm_audio, warm_tokens) = answers
-    for a, b in zip(tokens, warm_tokens, strict=True):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(audio, warm_audio, strict=True):
-        np.testing.assert_array_equal(a, b)
+    same_answers(*answers)
 
 
 def test_warm_steps_keep_a_prompted_models_held_codes():

@@ -21,7 +21,7 @@ from duplexserve.engine_bridge.moshi.engine import MoshiEngine, Sampling
 from duplexserve.engine_bridge.moshi.memory import GIB, KV_PAGE, MemoryPlan, Paging, kv_bytes_per_slot
 from duplexserve.engine_bridge.moshi.paged_kv import PagedKV, read_row, write_row
 from tests.test_moshi_equivalence import CONTEXT, run_sessions
-from tests.test_moshi_row_buckets import SESSIONS
+from tests.test_moshi_row_buckets import SESSIONS, same_answers
 from tests.triton_interpreter import run_interpreted
 
 PAGE = 4  # frames a page here: the 16-frame context is 4 pages
@@ -73,11 +73,7 @@ def test_paged_kv_answers_as_the_ring_bit_for_bit(kv_dtype):
             assert engine._rows.moves >= 3
         finally:
             engine.stop()
-    (ring_audio, ring_tokens), (paged_audio, paged_tokens) = answers
-    for a, b in zip(paged_tokens, ring_tokens, strict=True):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(paged_audio, ring_audio, strict=True):
-        np.testing.assert_array_equal(a, b)
+    same_answers(*answers)
     pages = engine.pages
     assert max(watched.held) > 0 and pages.held.sum() == 0  # every page given back at the calls' ends
     assert len(pages.free) == pages.pages - 1 and pages.stops == 0
