@@ -7,8 +7,8 @@ graphs replay. Slots without a frame this step are masked by the exec mask (one 
 tensor that every streaming state reads; their state does not move); a slot is reset
 with ``reset_streaming(mask)`` when a session opens in it, so nothing of the previous
 occupant survives. The LM's temporal attention reads each row's live prefix of its KV
-only (``live_lm.py``), optionally in 8 bits; the KV is paged by default (``paged_kv.py``: a
-call takes pages as it ages, a slot reserves only its floor) or a ring a slot, and is sized
+only (``live_lm.py``), optionally in 8 bits; the KV is a ring a slot by default, or paged
+(``paged_kv.py``: a call takes pages as it ages, a slot reserves only its floor), and is sized
 against the GPU's free memory before it is allocated (``memory.py``).
 
 The LM answers with a delay (``max(delays)`` frames: 1 for Moshi, 2 for Hibiki). With

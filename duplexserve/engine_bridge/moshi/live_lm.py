@@ -13,7 +13,7 @@ every layer and attends over the whole ring.
 A forward of several frames at once on a streaming state (a prompt's prefill,
 ``prompts.py``) writes all their keys into the ring and attends causally over it.
 
-With a ``PageTable`` on the clock (``paged_kv.py``, the engine's default) each layer's KV is
+With a ``PageTable`` on the clock (``paged_kv.py``, ``--moshi-kv-layout paged``) each layer's KV is
 a pool of pages instead of a ring a row: the pre-hook also finds each row's page and offset
 for this step and its capacity (the context, or the pages it holds once it stopped growing),
 and the layer writes there and attends through the block table (``_paged_step``).
