@@ -84,8 +84,7 @@ class NativeResume:
         assert self.decoder is not None and self.encoder is not None
         assert self._sent_audio is not None and self._sent_text is not None
         return Carry(self.input_format, self.output_format, self.decoder, self.encoder,
-                     self._sent_audio, self._sent_text, self._wire_bytes, self._prompted,
-                     getattr(self, "_applied", None))
+                     self._sent_audio, self._sent_text, self._wire_bytes, self._prompted, self._applied)
 
     def lost(self, session: Any) -> bool:
         entry = self._resumable
